@@ -1,0 +1,31 @@
+# Two user-facing targets: `make demo` and `make test`. Both build .venv from scratch when needed.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+.PHONY: demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PIP) install --quiet -e .
+	touch $@
+
+# torch is pinned to the CPU wheel; taming-transformers declares a CUDA torch and pytorch-lightning
+# as dependencies although its `taming.modules` need only torch, hence --no-deps.
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-deps taming-transformers==0.0.1
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) demo.py
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs
