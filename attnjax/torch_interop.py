@@ -169,3 +169,59 @@ def batch_norm(state: StateDict, prefix: str) -> tuple[dict, dict]:
 def embedding(state: StateDict, prefix: str) -> dict:
     """``nn.Embedding`` at ``prefix`` -> ``nn.Embed`` params: embedding [num, dim]."""
     return {"embedding": _take(state, prefix, "weight")}
+
+
+# --------------------------------------------------------------------------------------------
+# Transformer prior: taming's minGPT (engineer E)
+# --------------------------------------------------------------------------------------------
+
+# taming key (under ``blocks.N.``) -> (Flax path under ``blocks_N``, layer converter)
+_GPT_BLOCK_TABLE = (
+    ("ln1", ("ln1",), layer_norm),
+    ("attn.query", ("attn", "query"), linear),
+    ("attn.key", ("attn", "key"), linear),
+    ("attn.value", ("attn", "value"), linear),
+    ("attn.proj", ("attn", "out"), linear),
+    ("ln2", ("ln2",), layer_norm),
+    ("mlp.0", ("mlp", "fc1"), linear),
+    ("mlp.2", ("mlp", "fc2"), linear),
+)
+
+
+def gpt_from_taming(state_dict, n_head: int):
+    """taming ``mingpt.GPT`` state dict -> ``(attnjax.prior.GPT, {"params": ...})``.
+
+    ``vocab_size``, ``block_size``, ``n_embd`` and ``n_layer`` are read from the tensors
+    (``tok_emb.weight [vocab, n_embd]``, ``pos_emb [1, block_size, n_embd]``, ``blocks.N.*``);
+    ``n_head`` is not stored in the weights, so it is an argument. Dropouts are 0 (inference).
+    A ``Net2NetTransformer`` state dict works too: its ``transformer.`` prefix is stripped.
+    """
+    from attnjax.prior import GPT
+
+    state = load_state_dict(state_dict)
+    if any(key.startswith("transformer.") for key in state):
+        state = {k[len("transformer."):]: v for k, v in state.items() if k.startswith("transformer.")}
+    for key in ("tok_emb.weight", "pos_emb", "ln_f.weight", "head.weight"):
+        if key not in state:
+            raise KeyError(f"gpt_from_taming: state dict has no key {key!r}; is it a taming GPT?")
+    vocab, n_embd = state["tok_emb.weight"].shape
+    block_size = state["pos_emb"].shape[1]
+    n_layer = len({key.split(".")[1] for key in state if key.startswith("blocks.")})
+    if n_embd % n_head:
+        raise ValueError(f"gpt_from_taming: n_head={n_head} does not divide n_embd={n_embd}")
+    params = {
+        "tok_emb": embedding(state, "tok_emb"),
+        "pos_emb": state["pos_emb"],
+        "ln_f": layer_norm(state, "ln_f"),
+        "head": linear(state, "head"),
+    }
+    for i in range(n_layer):
+        block: dict = {}
+        for torch_name, path, convert in _GPT_BLOCK_TABLE:
+            node = block
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = convert(state, f"blocks.{i}.{torch_name}")
+        params[f"blocks_{i}"] = block
+    model = GPT(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    return model, {"params": params}
