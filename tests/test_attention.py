@@ -1,0 +1,367 @@
+"""attnjax.attention against torch.nn.functional.scaled_dot_product_attention and by construction."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnjax import attention
+
+F = torch.nn.functional
+
+
+def torch_sdpa(query, key, value, mask=None, is_causal=False, scale=None):
+    """PyTorch reference; a boolean/float numpy mask is passed as ``attn_mask``."""
+    args = [torch.tensor(np.asarray(x)) for x in (query, key, value)]
+    attn_mask = None if mask is None else torch.tensor(np.asarray(mask))
+    return F.scaled_dot_product_attention(*args, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def fully_masked_rows(mask, is_causal, shape_ls):
+    """Boolean ``[..., L]`` of query rows that may attend to nothing, from the numpy mask."""
+    keep = np.ones(shape_ls, dtype=bool)
+    if mask is not None:
+        keep = keep & (mask if mask.dtype == bool else ~np.isneginf(mask))
+    if is_causal:
+        keep = keep & np.tril(np.ones(shape_ls[-2:], dtype=bool))
+    return ~keep.any(-1)
+
+
+def random_mask(rng, kind, shape):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return rng.random(shape) > 0.3
+    mask = rng.normal(size=shape).astype(np.float32)
+    return np.where(rng.random(shape) > 0.3, mask, -np.inf).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# scaled_dot_product_attention == PyTorch
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    leading=st.sampled_from([(), (3,), (2, 3), (2, 1), (1, 2, 2)]),
+    key_leading_ones=st.booleans(),
+    length=st.integers(1, 6),
+    key_length=st.integers(1, 7),
+    depth=st.integers(1, 8),
+    value_depth=st.integers(1, 8),
+    mask_kind=st.sampled_from(["none", "bool", "float"]),
+    mask_leading=st.sampled_from(["full", "ones", "none"]),
+    is_causal=st.booleans(),
+    scale=st.sampled_from([None, 1.0, 0.37]),
+    seed=st.integers(0, 2**16),
+)
+def test_sdpa_matches_torch(
+    leading, key_leading_ones, length, key_length, depth, value_depth, mask_kind, mask_leading,
+    is_causal, scale, seed,
+):
+    rng = np.random.default_rng(seed)
+    key_leading = tuple(1 for _ in leading) if key_leading_ones else leading
+    query = rng.normal(size=leading + (length, depth)).astype(np.float32)
+    key = rng.normal(size=key_leading + (key_length, depth)).astype(np.float32)
+    value = rng.normal(size=key_leading + (key_length, value_depth)).astype(np.float32)
+    mask_shape = {"full": leading, "ones": tuple(1 for _ in leading), "none": ()}[mask_leading]
+    mask = random_mask(rng, mask_kind, mask_shape + (length, key_length))
+    if is_causal and mask is not None:
+        # PyTorch refuses attn_mask together with is_causal; fold the causal part into its mask.
+        causal = np.tril(np.ones((length, key_length), dtype=bool))
+        mask = mask & causal if mask.dtype == bool else np.where(causal, mask, -np.inf).astype(np.float32)
+        is_causal = False
+
+    ours = attention.scaled_dot_product_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
+    theirs = torch_sdpa(query, key, value, mask, is_causal, scale).numpy()
+    assert ours.shape == theirs.shape
+
+    dead = np.broadcast_to(fully_masked_rows(mask, is_causal, (length, key_length)), theirs.shape[:-1])
+    ours = np.asarray(ours)
+    assert np.all(ours[dead] == 0.0), "fully masked rows must be zeros"
+    assert_close(ours[~dead], theirs[~dead], what="attention output")
+
+
+@pytest.mark.parametrize(
+    "mask_kind, is_causal, value_depth",
+    [("none", False, 8), ("bool", False, 8), ("float", False, 5), ("none", True, 8), ("bool", False, 12)],
+)
+def test_sdpa_gradients_match_torch(mask_kind, is_causal, value_depth):
+    rng = np.random.default_rng(1)
+    query = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)
+    key = rng.normal(size=(2, 3, 6, 8)).astype(np.float32)
+    value = rng.normal(size=(2, 3, 6, value_depth)).astype(np.float32)
+    # every row keeps its first key, so PyTorch's gradients are finite everywhere
+    mask = random_mask(rng, mask_kind, (2, 1, 5, 6))
+    if mask is not None:
+        mask[..., 0] = True if mask.dtype == bool else 0.5
+    cotangent = rng.normal(size=(2, 3, 5, value_depth)).astype(np.float32)
+
+    def loss(q, k, v):
+        out = attention.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=0.3)
+        return jnp.sum(out * cotangent)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(query, key, value)
+
+    tensors = [torch.tensor(x, requires_grad=True) for x in (query, key, value)]
+    attn_mask = None if mask is None else torch.tensor(mask)
+    out = F.scaled_dot_product_attention(*tensors, attn_mask=attn_mask, is_causal=is_causal, scale=0.3)
+    (out * torch.tensor(cotangent)).sum().backward()
+    for name, ours, tensor in zip(("query", "key", "value"), grads, tensors):
+        assert_close(ours, tensor.grad.numpy(), what=f"d loss / d {name}")
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    rng = np.random.default_rng(2)
+    query, key, value = (rng.normal(size=(1, 2, 4, 4)).astype(np.float32) for _ in range(3))
+    mask = np.ones((4, 4), dtype=bool)
+    mask[1] = False
+    float_mask = np.where(mask, 0.0, -np.inf).astype(np.float32)
+    for m in (mask, float_mask):
+        out, weights = attention.scaled_dot_product_attention(query, key, value, m, return_weights=True)
+        assert np.all(np.asarray(out)[:, :, 1] == 0) and np.all(np.asarray(weights)[:, :, 1] == 0)
+        assert np.allclose(np.asarray(weights).sum(-1)[:, :, [0, 2, 3]], 1.0, atol=1e-6)
+        grads = jax.grad(lambda q, k, v: attention.scaled_dot_product_attention(q, k, v, m).sum(), (0, 1, 2))(
+            query, key, value
+        )
+        assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+        assert np.all(np.asarray(grads[0])[:, :, 1] == 0)
+        # torch 2.13's SDPA also gives zeros here (nn.MultiheadAttention still gives NaN)
+        assert_close(out, torch_sdpa(query, key, value, m).numpy(), what="output with a dead row")
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fused_and_explicit_paths_agree(mask_kind, is_causal):
+    rng = np.random.default_rng(3)
+    query = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
+    key = rng.normal(size=(2, 7, 3, 8)).astype(np.float32)
+    value = rng.normal(size=(2, 7, 3, 8)).astype(np.float32)
+    mask = random_mask(rng, mask_kind, (2, 1, 5, 7))
+    if mask is not None:
+        mask[0, 0, 2] = False if mask.dtype == bool else -np.inf  # one fully masked row
+    results = {}
+    for implementation in ("xla", "explicit"):
+        fn = lambda q, k, v: attention.dot_product_attention(  # noqa: E731
+            q, k, v, mask, is_causal=is_causal, implementation=implementation
+        )
+        results[implementation] = (fn(query, key, value), jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), (0, 1, 2))(query, key, value))
+    assert_close(results["xla"][0], results["explicit"][0], what="fused vs explicit output")
+    for g_fused, g_explicit in zip(results["xla"][1], results["explicit"][1]):
+        assert_close(g_fused, g_explicit, what="fused vs explicit gradient")
+    if mask is not None:
+        assert np.all(np.asarray(results["xla"][0])[0, 2] == 0)
+
+
+def test_weights_match_softmax_formula():
+    rng = np.random.default_rng(4)
+    query, key, value = (rng.normal(size=(3, 4, 6)).astype(np.float64) for _ in range(3))
+    out, weights = attention.scaled_dot_product_attention(
+        query.astype(np.float32), key.astype(np.float32), value.astype(np.float32), return_weights=True
+    )
+    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(6)
+    expected = np.exp(scores - scores.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    assert_close(weights, expected, what="weights")
+    assert_close(out, expected @ value, what="output")
+
+
+def test_dropout_drops_and_rescales_weights():
+    rng = np.random.default_rng(5)
+    query, key, value = (rng.normal(size=(2, 2, 8, 4)).astype(np.float32) for _ in range(3))
+    _, clean = attention.scaled_dot_product_attention(query, key, value, return_weights=True)
+    out, dropped = attention.scaled_dot_product_attention(
+        query, key, value, dropout_rate=0.25, dropout_rng=jax.random.key(0), return_weights=True
+    )
+    clean, dropped = np.asarray(clean), np.asarray(dropped)
+    kept = dropped != 0
+    assert 0.6 < kept.mean() < 0.9
+    assert_close(dropped[kept], clean[kept] / 0.75, what="kept weights")
+    assert_close(out, np.asarray(dropped) @ value, what="output uses the dropped weights")
+
+
+# --------------------------------------------------------------------------------------------
+# Worked examples of the study notes
+# --------------------------------------------------------------------------------------------
+
+
+def test_seed_004_worked_example():
+    inputs = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], np.float32)
+    w_query = np.array([[1, 0, 1], [1, 0, 0], [0, 0, 1], [0, 1, 1]], np.float32)
+    w_key = np.array([[0, 0, 1], [1, 1, 0], [0, 1, 0], [1, 1, 0]], np.float32)
+    w_value = np.array([[0, 2, 0], [0, 3, 0], [1, 0, 3], [1, 1, 0]], np.float32)
+    out = attention.scaled_dot_product_attention(
+        inputs @ w_query, inputs @ w_key, inputs @ w_value, scale=1.0
+    )
+    expected = [[1.9366, 6.6831, 1.5951], [2.0, 7.9640, 0.0540], [1.9997, 7.7599, 0.3584]]
+    np.testing.assert_allclose(out, expected, atol=1e-4)
+
+
+def test_seed_002_causal_uniform_attention_is_prefix_mean():
+    x = np.random.default_rng(42).normal(size=(4, 8, 2)).astype(np.float32)
+    tril = np.tril(np.ones((8, 8), np.float32))
+    prefix_mean = (tril / tril.sum(1, keepdims=True)) @ x
+    zeros = np.zeros((4, 8, 1), np.float32)  # equal scores -> uniform weights over the visible keys
+    out = attention.scaled_dot_product_attention(zeros, zeros, x, is_causal=True)
+    assert_close(out, prefix_mean, what="causal mean")
+
+
+# --------------------------------------------------------------------------------------------
+# Mask helpers
+# --------------------------------------------------------------------------------------------
+
+
+def test_mask_helpers():
+    np.testing.assert_array_equal(attention.causal_mask(3, 5), np.tril(np.ones((3, 5), bool)))
+    np.testing.assert_array_equal(
+        attention.causal_mask(4), torch.ones(4, 4, dtype=torch.bool).tril().numpy()
+    )
+    valid = attention.padding_mask(jnp.array([2, 4]), 4)
+    np.testing.assert_array_equal(valid, [[1, 1, 0, 0], [1, 1, 1, 1]])
+    pair = attention.make_attention_mask(valid[:, :3], valid)
+    assert pair.shape == (2, 1, 3, 4)
+    np.testing.assert_array_equal(pair[0, 0], [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    both = attention.combine_masks(pair, attention.causal_mask(3, 4), None)
+    np.testing.assert_array_equal(both[1, 0], np.tril(np.ones((3, 4), bool)))
+    additive = attention.combine_masks(attention.causal_mask(2), jnp.full((2, 2), 0.5))
+    np.testing.assert_array_equal(additive, [[0.5, -np.inf], [0.5, 0.5]])
+    assert attention.combine_masks(None, None) is None
+
+
+def test_padding_masks_match_torch_key_padding():
+    rng = np.random.default_rng(6)
+    query, key, value = (rng.normal(size=(2, 1, 5, 4)).astype(np.float32) for _ in range(3))
+    valid = attention.padding_mask(jnp.array([3, 5]), 5)
+    ours = attention.scaled_dot_product_attention(query, key, value, valid[:, None, None, :])
+    theirs = torch_sdpa(query, key, value, np.asarray(valid)[:, None, None, :]).numpy()
+    assert_close(ours, theirs, what="key padding")
+
+
+# --------------------------------------------------------------------------------------------
+# MultiHeadAttention
+# --------------------------------------------------------------------------------------------
+
+
+def test_mha_matches_manual_heads():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2, 5, 12)).astype(np.float32)
+    context = rng.normal(size=(2, 7, 6)).astype(np.float32)
+    module = attention.MultiHeadAttention(num_heads=3, head_dim=2, value_dim=5, out_features=4)
+    variables = module.init(jax.random.key(0), x, context)
+    out, weights = module.apply(variables, x, context, return_weights=True)
+    assert out.shape == (2, 5, 4) and weights.shape == (2, 3, 5, 7)
+
+    p = jax.tree.map(np.asarray, variables["params"])
+    assert p["query"]["kernel"].shape == (12, 6) and p["value"]["kernel"].shape == (6, 15)
+    dense = lambda name, v: v @ p[name]["kernel"] + p[name]["bias"]  # noqa: E731
+    q = dense("query", x).reshape(2, 5, 3, 2).transpose(0, 2, 1, 3)
+    k = dense("key", context).reshape(2, 7, 3, 2).transpose(0, 2, 1, 3)
+    v = dense("value", context).reshape(2, 7, 3, 5).transpose(0, 2, 1, 3)
+    reference = F.scaled_dot_product_attention(*map(torch.tensor, (q, k, v))).numpy()
+    expected = dense("out", reference.transpose(0, 2, 1, 3).reshape(2, 5, 15))
+    assert_close(out, expected, what="MHA output")
+
+
+def test_mha_decode_matches_full_causal_pass():
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(2, 9, 8)).astype(np.float32))
+    module = attention.MultiHeadAttention(num_heads=2, decode=True)
+    variables = module.init(jax.random.key(1), x)
+    assert variables["cache"]["cached_key"].shape == (2, 9, 2, 4)
+    full = attention.MultiHeadAttention(num_heads=2).apply(
+        {"params": variables["params"]}, x, is_causal=True
+    )
+
+    step = jax.jit(lambda v, chunk: module.apply(v, chunk, mutable=["cache"]))
+    cache = variables["cache"]
+    outputs = []
+    for start, stop in [(0, 4)] + [(i, i + 1) for i in range(4, 9)]:  # prefill, then token by token
+        out, updates = step({"params": variables["params"], "cache": cache}, x[:, start:stop])
+        cache = updates["cache"]
+        outputs.append(out)
+    assert int(cache["cache_index"]) == 9
+    assert_close(jnp.concatenate(outputs, axis=1), full, what="decode vs full causal")
+
+
+def test_mha_dropout_uses_rng_only_when_training():
+    x = jnp.ones((1, 4, 8))
+    module = attention.MultiHeadAttention(num_heads=2, dropout_rate=0.5)
+    variables = module.init(jax.random.key(0), x)
+    eval_out = module.apply(variables, x)
+    a = module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    b = module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, eval_out)
+    _, weights = module.apply(variables, x, return_weights=True)
+    assert_close(np.asarray(weights).sum(-1), np.ones((1, 2, 4)), what="eval weights sum to 1")
+
+
+# --------------------------------------------------------------------------------------------
+# Transformations and errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_jit_grad_vmap_through_public_functions():
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 2, 3, 4)).astype(np.float32)) for _ in range(3))
+    sdpa = attention.scaled_dot_product_attention
+    eager = sdpa(q, k, v, is_causal=True)
+    assert_close(jax.jit(sdpa, static_argnames="is_causal")(q, k, v, is_causal=True), eager, what="jit")
+    assert_close(jax.vmap(lambda a, b, c: sdpa(a, b, c, is_causal=True))(q, k, v), eager, what="vmap")
+    bthd = [jnp.swapaxes(t, 1, 2) for t in (q, k, v)]
+    assert_close(
+        jnp.swapaxes(jax.jit(attention.dot_product_attention)(*bthd), 1, 2), sdpa(q, k, v), what="jit bthd"
+    )
+    # a float mask is differentiable (e.g. a learned relative-position bias)
+    bias = jnp.zeros((3, 3))
+    grad_bias = jax.grad(lambda b: jnp.sum(sdpa(q, k, v, b) ** 2))(bias)
+    assert grad_bias.shape == (3, 3) and np.abs(np.asarray(grad_bias)).sum() > 0
+    lengths = jnp.array([[1, 2], [3, 1]])
+    masks = jax.vmap(lambda n: attention.make_attention_mask(*(2 * [attention.padding_mask(n, 3)])))(lengths)
+    assert masks.shape == (2, 2, 1, 3, 3)
+    jitted = jax.jit(attention.combine_masks)(masks[0], attention.causal_mask(3))
+    np.testing.assert_array_equal(jitted[0, 0], [[1, 0, 0], [0, 0, 0], [0, 0, 0]])
+
+    module = attention.MultiHeadAttention(num_heads=2)
+    x = q[:, 0]
+    params = module.init(jax.random.key(0), x)
+    loss = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, x) ** 2)))
+    grads = loss(params)
+    assert set(grads["params"]) == {"query", "key", "value", "out"}
+    per_example = jax.vmap(lambda xi: module.apply(params, xi[None])[0])(x)
+    assert_close(per_example, module.apply(params, x), rtol=1e-5, what="vmap MHA")
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: attention.scaled_dot_product_attention(np.ones((2, 3, 4)), np.ones((2, 5, 4)), np.ones((2, 6, 4))),
+         r"key and value lengths differ: key shape \(2, 5, 4\), value shape \(2, 6, 4\)"),
+        (lambda: attention.scaled_dot_product_attention(np.ones((3, 4)), np.ones((5, 3)), np.ones((5, 3))),
+         r"query and key feature sizes differ"),
+        (lambda: attention.scaled_dot_product_attention(np.ones(4), np.ones((5, 4)), np.ones((5, 4))),
+         r"query must have rank >= 2.*\(4,\)"),
+        (lambda: attention.scaled_dot_product_attention(
+            np.ones((2, 3, 4)), np.ones((2, 5, 4)), np.ones((2, 5, 4)), np.ones((3, 4), bool)),
+         r"mask of shape \(3, 4\) does not broadcast to \(2, 3, 5\)"),
+        (lambda: attention.scaled_dot_product_attention(np.ones((2, 3, 4)), np.ones((3, 5, 4)), np.ones((3, 5, 4))),
+         r"leading dims do not broadcast"),
+        (lambda: attention.scaled_dot_product_attention(np.ones((3, 4)), np.ones((5, 4)), np.ones((5, 4)), dropout_rate=0.1),
+         r"dropout_rate=0.1 needs a dropout_rng"),
+        (lambda: attention.dot_product_attention(np.ones((2, 3, 4)), np.ones((2, 3, 4)), np.ones((2, 3, 4))),
+         r"query must be \[batch, length, heads, head_dim\], got shape \(2, 3, 4\)"),
+        (lambda: attention.MultiHeadAttention(num_heads=3).init(jax.random.key(0), jnp.ones((1, 2, 8))),
+         r"num_heads=3 does not divide the query feature size 8"),
+        (lambda: attention.MultiHeadAttention(num_heads=2).init(jax.random.key(0), jnp.ones((2, 8))),
+         r"inputs_q must be \[batch, length, features\], got shape \(2, 8\)"),
+        (lambda: attention.MultiHeadAttention(num_heads=2).init(jax.random.key(0), jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8)), jnp.ones((1, 4, 8))),
+         r"batch/length mismatch"),
+        (lambda: attention.padding_mask(jnp.ones((2, 2)), 3), r"lengths must have shape \[batch\]"),
+    ],
+)
+def test_bad_inputs_raise_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
