@@ -1,0 +1,188 @@
+"""Orbax checkpoints of a training run, and loading a trained run for inference.
+
+A workdir holds::
+
+    config.json              the run's config (written once the run is known to be valid)
+    checkpoints/<step>/      latest checkpoints: "state" (the task's train state as a nested
+                             dict: step, params, opt_state, ...) and "data" (the train
+                             iterator's state), the last ``max_to_keep`` kept
+    checkpoints_best/<step>/ optional: the state at the best ``config.best_metric`` so far
+
+Saving is asynchronous (Orbax copies to host, then writes in a background thread);
+``Checkpointer.close()`` waits for the writes. Restarting a run in the same workdir restores
+the latest checkpoint (state, optimiser state, data iterator position, step; per-step RNG keys
+are derived from ``(seed, step)``), so it continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import flax.serialization
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+CONFIG_FILE = "config.json"
+# Config fields that define the model a checkpoint holds; a resumed run must agree on them.
+IDENTITY_FIELDS = ("task", "model_name", "model")
+
+
+def _checkpoint_dir(workdir: str, best: bool = False) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints_best" if best else "checkpoints")
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run in ``workdir`` was started with."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir!r} is not a training workdir.")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def _jsonable(config) -> dict:
+    return json.loads(config.to_json_best_effort())
+
+
+def write_config(workdir: str, config) -> None:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+        json.dump(_jsonable(config), f, indent=2, sort_keys=True)
+
+
+def check_compatible(workdir: str, config) -> None:
+    """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model."""
+    has_checkpoints = bool(ocp.utils.checkpoint_steps(_checkpoint_dir(workdir))) if os.path.isdir(
+        _checkpoint_dir(workdir)) else False
+    if not has_checkpoints or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+        return
+    saved, current = _jsonable(read_config(workdir)), _jsonable(config)
+    differ = {k: (saved.get(k), current.get(k)) for k in IDENTITY_FIELDS
+              if saved.get(k) != current.get(k)}
+    if differ:
+        details = "; ".join(f"config.{k}: checkpoint has {a!r}, config has {b!r}"
+                            for k, (a, b) in differ.items())
+        raise ValueError(f"workdir {workdir!r} holds checkpoints of a different model ({details}). "
+                         f"Use a new --workdir, or the original config to resume.")
+
+
+class Checkpointer:
+    """Latest-N (+ optional best) checkpoints of one run. ``config`` fields:
+    ``checkpoint_every``, ``max_to_keep``, ``best_metric`` ("" disables), ``best_mode``."""
+
+    def __init__(self, workdir: str, config):
+        self.workdir = workdir
+        self.manager = ocp.CheckpointManager(
+            _checkpoint_dir(workdir),
+            options=ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, create=True),
+            item_names=("state", "data"))
+        self.best_metric = config.get("best_metric", "")
+        self.best_manager = None
+        if self.best_metric:
+            mode = config.get("best_mode", "max")
+            if mode not in ("max", "min"):
+                raise ValueError(f"config.best_mode={mode!r}; expected 'max' or 'min'.")
+            metric = self.best_metric
+            self.best_manager = ocp.CheckpointManager(
+                _checkpoint_dir(workdir, best=True),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=1, best_fn=lambda m: float(m[metric]), best_mode=mode, create=True),
+                item_names=("state",))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, data_state: dict) -> None:
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
+            data=ocp.args.JsonSave(data_state)))
+
+    def save_best(self, step: int, state, metrics: dict) -> None:
+        if self.best_manager is None:
+            return
+        if self.best_metric not in metrics:
+            raise ValueError(f"config.best_metric={self.best_metric!r} is not among the eval "
+                             f"metrics {sorted(metrics)}.")
+        self.best_manager.save(
+            step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
+            metrics={k: float(v) for k, v in metrics.items()})
+
+    def restore(self, state, step: int | None = None):
+        """Restores into the structure (and shardings) of ``state`` -> ``(state, data_state)``."""
+        step = self.latest_step() if step is None else step
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                              flax.serialization.to_state_dict(state))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        return flax.serialization.from_state_dict(state, restored["state"]), restored["data"]
+
+    def close(self) -> None:
+        """Waits for pending asynchronous writes."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+        if self.best_manager is not None:
+            self.best_manager.wait_until_finished()
+            self.best_manager.close()
+
+
+def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: bool = True,
+         variables: bool = False):
+    """Loads a trained run: ``(config, params)``.
+
+    Args:
+      workdir: the run's ``--workdir``.
+      step: which checkpoint (default: the latest, or the best with ``best=True``).
+      best: read ``checkpoints_best/`` (the best ``config.best_metric``) instead of the latest.
+      use_ema: return the EMA parameters when the run kept them (what its eval used).
+      variables: return the Flax variables dict instead of the params: ``{"params": ...}`` plus
+        ``"batch_stats"`` when the state has them.
+
+    Returns:
+      ``(config, params)`` (or ``(config, variables)``) as host numpy trees; tasks with several
+      models (e.g. VQGAN) keep one params subtree per model, as their train state does.
+    """
+    config = read_config(workdir)
+    directory = _checkpoint_dir(workdir, best=best)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoints under {directory!r}.")
+    with ocp.CheckpointManager(directory, item_names=("state",),
+                               options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+        if step is None:
+            step = manager.best_step() if best else manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoints under {directory!r}.")
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    state = jax.tree.map(np.asarray, state["state"])
+    params = state["params"]
+    if use_ema and state.get("ema_params") is not None:
+        params = state["ema_params"]
+    if not variables:
+        return config, params
+    out = {"params": params}
+    if state.get("batch_stats"):
+        out["batch_stats"] = state["batch_stats"]
+    return config, out
+
+
+def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:
+    """``(config, predict)`` for a classification run: ``predict(images) -> logits``.
+
+    ``images``: float ``[batch, H, W, C]`` normalised like the run's eval data
+    (``attnjax.data``); ``logits``: ``[batch, num_classes]``. ``predict`` is jit-compiled with
+    the parameters closed over (one compilation per input shape).
+    """
+    from attnjax import tasks  # the task module knows how to build its model
+
+    config, model_variables = load(workdir, variables=True, **load_kwargs)
+    model = tasks.get_task(config.task).create_model(config)
+
+    @jax.jit
+    def predict(images):
+        return model.apply(model_variables, images, train=False)
+
+    return config, predict

@@ -1,0 +1,154 @@
+"""Image classification with a ViT: cross-entropy with label smoothing, accuracy, optional EMA.
+
+Batches: ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
+Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.vit.create_vit``, ``variant``
+for a named variant), ``init_from`` (optional pretrained params, see ``load_pretrained``),
+``label_smoothing``, and the optimiser fields of ``attnjax.tasks.optim``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from attnjax import vit
+from attnjax.tasks import optim
+
+MODELS = {"vit": vit.create_vit}
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    ema_params: Any = None
+
+
+def create_model(config) -> nn.Module:
+    name = config.get("model_name", "vit")
+    if name not in MODELS:
+        raise ValueError(f"config.model_name={name!r} is not a known classifier; expected one of "
+                         f"{sorted(MODELS)}.")
+    kwargs = config.model.to_dict()
+    variant = kwargs.pop("variant", None) or None
+    return MODELS[name](variant, **kwargs)
+
+
+def load_pretrained(config, model, params):
+    """Replaces ``params`` by the converted checkpoint at ``config.init_from`` (if set).
+
+    ``init_from`` is an ``.npz`` of Flax params flattened with "/"-joined keys
+    (``pos_embed/pos_embedding``, ``blocks_0/attn/query/kernel``, ...), e.g. a timm ViT
+    converted with ``attnjax.torch_interop``. The head is kept from ``params`` (new classes), and a position table of another
+    grid size is resized with ``attnjax.positional.resize_position_embedding``.
+    """
+    path = config.get("init_from", "")
+    if not path:
+        return params
+    from attnjax import positional
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config.init_from={path!r} does not exist.")
+    with np.load(path) as npz:
+        flat_old = dict(npz)
+    flat_new = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
+    for key, value in flat_new.items():
+        if key.startswith("head/") or key not in flat_old:
+            logging.info("init_from: keeping fresh %s %s", key, value.shape)
+            continue
+        old = np.asarray(flat_old[key])
+        if old.shape != value.shape and key.endswith("pos_embedding"):
+            prefix = int(model.class_token and not model.no_embed_class)
+            grid = math.isqrt(value.shape[1] - prefix)
+            old = np.asarray(positional.resize_position_embedding(
+                old, (grid, grid), num_prefix_tokens=prefix))
+        if old.shape != value.shape:
+            raise ValueError(f"config.init_from: {key} has shape {old.shape}, the model "
+                             f"expects {value.shape}.")
+        flat_new[key] = old.astype(value.dtype)
+    return flax.traverse_util.unflatten_dict(flat_new, sep="/")
+
+
+def create_train_state(rng, config, model, example_batch) -> TrainState:
+    images = jnp.asarray(example_batch["image"][:1])
+    params = jax.jit(lambda r: model.init(r, images, train=False))(rng)["params"]
+    params = load_pretrained(config, model, params)
+    tx = optim.make_optimizer(config)
+    ema = params if config.get("ema_decay", 0.0) else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      ema_params=ema)
+
+
+def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
+    tx = optim.make_optimizer(config)
+
+    def loss_fn(params):
+        logits = model.apply({"params": params}, batch["image"], train=True,
+                             rngs={"dropout": rng})
+        loss = optim.cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
+        return loss.mean(), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    metrics = {"loss": loss, "accuracy": accuracy}
+    if axis_name is not None:
+        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = jax.tree.map(jnp.add, state.params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["learning_rate"] = optim.learning_rate_at(config, state.step)
+    ema = state.ema_params
+    if ema is not None:
+        ema = optim.ema_update(ema, params, config.ema_decay)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         ema_params=ema), metrics
+
+
+def eval_step(state: TrainState, batch, *, config, model):
+    params = state.params if state.ema_params is None else state.ema_params
+    logits = model.apply({"params": params}, batch["image"], train=False)
+    mask = batch["mask"]
+    loss = optim.cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    return {"loss": jnp.sum(loss * mask), "accuracy": jnp.sum(correct * mask),
+            "count": jnp.sum(mask)}
+
+
+def write_images(state: TrainState, batch, *, config, model, workdir, step):
+    """``eval_images.png``: the first eval images titled ``pred/true`` (red when wrong)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    params = state.params if state.ema_params is None else state.ema_params
+    n = min(32, int(np.sum(batch["mask"])))
+    images = np.asarray(batch["image"][:n])
+    predictions = np.asarray(jnp.argmax(
+        model.apply({"params": params}, jnp.asarray(images), train=False), -1))
+    labels = np.asarray(batch["label"][:n])
+    shown = images * np.asarray(config.data.std) + np.asarray(config.data.mean)
+    cols = 8
+    rows = max(1, -(-n // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.2, rows * 1.35))
+    for i, ax in enumerate(np.ravel(axes)):
+        ax.axis("off")
+        if i >= n:
+            continue
+        image = np.clip(shown[i], 0.0, 1.0)
+        ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray")
+        ax.set_title(f"{predictions[i]}/{labels[i]}", fontsize=8,
+                     color="black" if predictions[i] == labels[i] else "red")
+    fig.suptitle(f"predicted/true, step {step}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "eval_images.png"), dpi=100)
+    plt.close(fig)

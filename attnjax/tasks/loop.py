@@ -1,0 +1,142 @@
+"""The training loop every task shares: ``train_and_evaluate(config, workdir) -> metrics``.
+
+Order of business, so that a bad config fails before anything in the workdir changes:
+task, parallel mode and batch divisibility, model identity against existing checkpoints,
+model, data, train state (optimiser), and only then checkpoints, config.json and logs.
+
+Per-step RNG keys are ``fold_in(key(seed), step)``, the data stream is a function of the seed
+and the iterator position, and both the state and the iterator position are checkpointed, so a
+resumed run computes exactly what an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+import tqdm
+from absl import logging
+
+from attnjax import checkpoint, data, parallel, tasks
+from attnjax.tasks import report
+
+LOOP_FIELDS = ("task", "seed", "num_train_steps", "batch_size", "log_every", "eval_every",
+               "checkpoint_every", "max_to_keep")
+
+
+def _check_loop_fields(config) -> None:
+    missing = [k for k in LOOP_FIELDS if k not in config]
+    if missing:
+        raise ValueError(f"config lacks the training-loop field(s) {missing}.")
+    for key in ("num_train_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
+                "max_to_keep"):
+        if int(config[key]) < 1:
+            raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
+
+
+def evaluate(task, dp, p_eval, state, datasets, *, config, model, workdir, step) -> dict:
+    """Runs the eval set once -> ``{"eval/<name>": sum / count}``; writes the task's images."""
+    totals, first = None, None
+    for batch in datasets.eval:
+        first = batch if first is None else first
+        sums = p_eval(state, dp.shard_batch(batch))
+        totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+    totals = dp.fetch(totals)
+    count = float(totals.pop("count"))
+    metrics = {f"eval/{k}": float(v) / count for k, v in totals.items()}
+    if hasattr(task, "write_images") and jax.process_index() == 0:
+        task.write_images(dp.unreplicate(state), first, config=config, model=model,
+                          workdir=workdir, step=step)
+    return metrics
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Trains ``config.task`` in ``workdir`` (resuming from its latest checkpoint if any).
+
+    Returns the final metrics: ``step``, the last ``train/*`` averages, ``eval/*`` of the final
+    evaluation, ``steps_per_sec`` (training steps only, compile excluded after the first log)
+    and whatever the task's ``finalize`` adds.
+    """
+    _check_loop_fields(config)
+    task = tasks.get_task(config.task)
+    parallel.maybe_initialize_distributed(config)
+    dp = parallel.DataParallel(config.get("parallel", "jit"), config.batch_size,
+                               config.get("eval_batch_size") or None)
+    checkpoint.check_compatible(workdir, config)
+
+    model = task.create_model(config)
+    make_datasets = getattr(task, "make_datasets", data.make_datasets)
+    datasets = make_datasets(config, process_index=jax.process_index(),
+                             process_count=jax.process_count())
+    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    state = task.create_train_state(init_rng, config, model, next(iter(datasets.train)))
+
+    ckpt = checkpoint.Checkpointer(workdir, config)
+    train_iter = iter(datasets.train)
+    start = ckpt.latest_step()
+    if start is not None:
+        state, data_state = ckpt.restore(state)
+        train_iter.set_state(data_state)
+        logging.info("resumed from %s at step %d", workdir, start)
+    start = start or 0
+    is_main = jax.process_index() == 0
+    if is_main:
+        checkpoint.write_config(workdir, config)
+    logging.info("%s: %d train / %d eval examples, %d devices (%s), global batch %d",
+                 config.task, datasets.num_train_examples, datasets.num_eval_examples,
+                 jax.device_count(), dp.mode, config.batch_size)
+
+    state = dp.replicate(state)
+    p_train = dp.compile_train_step(functools.partial(task.train_step, config=config, model=model))
+    p_eval = dp.compile_eval_step(functools.partial(task.eval_step, config=config, model=model))
+    batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
+    writer = report.MetricWriter(workdir, enabled=is_main)
+
+    num_steps = config.num_train_steps
+    result: dict = {"step": start}
+    pending, data_state = [], None
+    train_time, timed_steps, tick = 0.0, 0, time.perf_counter()
+    bar = tqdm.tqdm(total=num_steps, initial=start, desc=config.task, unit="step",
+                    disable=not is_main or config.get("quiet", False), dynamic_ncols=True)
+    try:
+        for step in range(start + 1, num_steps + 1):
+            batch, data_state = next(batches)
+            state, metrics = p_train(state, batch, jax.random.fold_in(train_rng, step - 1))
+            pending.append(metrics)
+            bar.update(1)
+            if step % config.log_every == 0 or step == num_steps:
+                logged = jax.tree.map(lambda *xs: float(np.mean(xs)), *dp.fetch(pending))
+                now = time.perf_counter()
+                # The first interval includes compilation; count it once there is a later one.
+                if step > start + len(pending) or step == num_steps:
+                    train_time += now - tick
+                    timed_steps += len(pending)
+                scalars = {f"train/{k}": v for k, v in logged.items()}
+                if timed_steps:
+                    scalars["steps_per_sec"] = timed_steps / train_time
+                writer.write(step, scalars)
+                result.update(scalars)
+                bar.set_postfix(loss=f"{logged['loss']:.4f}", refresh=False)
+                pending = []
+            if step % config.eval_every == 0 or step == num_steps:
+                eval_metrics = evaluate(task, dp, p_eval, state, datasets, config=config,
+                                        model=model, workdir=workdir, step=step)
+                writer.write(step, eval_metrics)
+                result.update(eval_metrics)
+                bar.write(report.format_table(step, eval_metrics))
+                ckpt.save_best(step, jax.device_get(dp.unreplicate(state)), eval_metrics)
+            if step % config.checkpoint_every == 0 or step == num_steps:
+                ckpt.save(step, jax.device_get(dp.unreplicate(state)), data_state)
+            result["step"] = step
+            tick = time.perf_counter() if step % config.log_every == 0 else tick
+        if hasattr(task, "finalize"):
+            result.update(task.finalize(dp.unreplicate(state), result, config=config,
+                                        model=model, workdir=workdir) or {})
+    finally:
+        bar.close()
+        ckpt.close()
+        writer.close()
+    if is_main:
+        report.plot_curves(workdir)
+    return result

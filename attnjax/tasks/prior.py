@@ -1,0 +1,323 @@
+"""The transformer prior over VQGAN codes: cross-entropy on code sequences, class-conditional.
+
+The data are the codes of a trained VQGAN (``config.vqgan_workdir``): its dataset (the VQGAN
+run's ``config.data``: same TFDS source, size and normalisation) is encoded once to token grids,
+flattened in raster order, and cached on disk as ``.npz`` next to the VQGAN
+(``<vqgan_workdir>/codes/`` unless ``config.codes_cache_dir`` says otherwise). The cache key
+hashes the VQGAN workdir, its checkpoint step, its parameters and the data settings, so a
+retrained VQGAN is encoded afresh. ``config.data.train_shifts = s`` also encodes every training
+image shifted by each ``(dy, dx)`` in ``[-s, s]^2`` (zero fill): (2s + 1)^2 code sequences per
+image, an augmentation that costs nothing per step.
+
+Batches: ``{"codes": int32 [batch, num_tokens], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
+Metrics: ``loss`` (nats per token), ``bits_per_token``, ``accuracy`` (next-token top-1);
+``eval/nll`` and ``eval/bits_per_token`` on the held-out split. After each evaluation,
+``samples/<step>.png`` shows ``config.sampling.per_class`` samples per class (a row each),
+sampled with ``config.sampling`` (temperature, top_k, top_p) and decoded by the VQGAN.
+
+Config: ``vqgan_workdir``, ``vqgan_step`` (None: latest), ``num_classes`` (0: unconditional),
+``model`` (``attnjax.prior.GPT`` fields other than vocab/block size, which come from the VQGAN),
+``data.train_shifts``, ``sampling``, ``codes_cache_dir``, and the optimiser fields of
+``attnjax.tasks.optim``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+from typing import Any, NamedTuple
+
+import flax
+import flax.linen as nn
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from tqdm import tqdm
+
+from attnjax import checkpoint, data, prior
+from attnjax.tasks import optim
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    ema_params: Any = None
+
+
+class TrainedVQGAN(NamedTuple):
+    """A trained VQGAN as the prior needs it."""
+
+    workdir: str
+    config: Any  # the VQGAN run's config
+    model: nn.Module  # its VQGAN module (``encode``, ``decode_indices``)
+    variables: dict  # {"params": ...} (+ any collections the module reads)
+    step: int
+    grid_shape: tuple  # the token grid (h, w)
+
+
+# --------------------------------------------------------------------------------------------
+# The VQGAN and its codes
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
+    """The VQGAN trained in ``workdir`` (cached per process: the prior's steps reuse it)."""
+    from attnjax import tasks
+
+    if not workdir or not os.path.isdir(workdir):
+        raise FileNotFoundError(
+            f"config.vqgan_workdir={workdir!r} is not a directory: train the VQGAN first "
+            "(python train.py --config configs/vqgan_digits.py --workdir <dir>)"
+        )
+    vq_config, variables = checkpoint.load(workdir, step=step, variables=True)
+    if vq_config.task != "vqgan":
+        raise ValueError(
+            f"config.vqgan_workdir={workdir!r} holds a {vq_config.task!r} run, expected a 'vqgan' run"
+        )
+    task = tasks.get_task("vqgan")
+    model, variables = task.inference_model(vq_config, variables)
+    step = _checkpoint_step(workdir) if step is None else step
+    size, channels = vq_config.data.image_size, vq_config.model.ddconfig.in_channels
+    image = jax.ShapeDtypeStruct((1, size, size, channels), jnp.float32)
+    indices = jax.eval_shape(lambda x: model.apply(variables, x, method=type(model).encode)[1], image)
+    return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(indices.shape[1:]))
+
+
+def _checkpoint_step(workdir: str) -> int:
+    steps = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")) if name.isdigit()]
+    return max(steps)
+
+
+def _params_digest(tree) -> str:
+    digest = hashlib.sha1()
+    for path, leaf in sorted(flax.traverse_util.flatten_dict(tree, sep="/").items()):
+        digest.update(path.encode())
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return digest.hexdigest()
+
+
+def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
+    """``[H, W, C]`` moved by ``(dy, dx)`` pixels, zero fill."""
+    height, width = image.shape[:2]
+    pad = max(abs(dy), abs(dx))
+    padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
+    return padded[pad - dy:pad - dy + height, pad - dx:pad - dx + width]
+
+
+def _load_images(data_config, split: str, shifts: int):
+    """Normalised images ``[N * (2 shifts + 1)^2, H, W, C]`` and labels of a TFDS split."""
+    source = data.load_source(data_config.name, split, data_config.get("data_dir"))
+    mean = np.asarray(data_config.mean, np.float32)
+    std = np.asarray(data_config.std, np.float32)
+    images, labels = [], []
+    offsets = [(dy, dx) for dy in range(-shifts, shifts + 1) for dx in range(-shifts, shifts + 1)]
+    for i in range(len(source)):
+        record = source[i]
+        image = data.resize(np.asarray(record[data_config.image_key]), data_config.image_size)
+        for dy, dx in offsets:
+            images.append(_shift(image, dy, dx))
+            labels.append(int(record[data_config.label_key]))
+    images = (np.stack(images).astype(np.float32) / 255.0 - mean) / std
+    return images, np.asarray(labels, np.int32)
+
+
+def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir: str,
+                 batch_size: int = 256):
+    """Codes ``int32 [N, h * w]`` (raster order) and labels ``int32 [N]`` of one split, cached."""
+    data_config = vqgan.config.data
+    key = json.dumps({
+        "vqgan_workdir": os.path.abspath(vqgan.workdir),
+        "step": int(vqgan.step),
+        "params": _params_digest(vqgan.variables),
+        "data": {k: data_config.get(k) for k in ("name", "image_size", "image_key", "label_key",
+                                                   "mean", "std")},
+        "split": split,
+        "shifts": shifts,
+    }, sort_keys=True, default=str)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"{split}-shift{shifts}-{digest}.npz")
+    if os.path.exists(path):
+        with np.load(path) as cached:
+            logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
+            return cached["codes"], cached["labels"]
+    images, labels = _load_images(data_config, split, shifts)
+    encode = jax.jit(lambda x: vqgan.model.apply(vqgan.variables, x, method=type(vqgan.model).encode)[1])
+    codes = []
+    for start in tqdm(range(0, len(images), batch_size), desc=f"encoding {split} to codes",
+                      unit="batch", leave=False):
+        chunk = images[start:start + batch_size]
+        padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk),) + chunk.shape[1:],
+                                                 chunk.dtype)])  # one shape, one compilation
+        codes.append(np.asarray(encode(padded))[:len(chunk)].reshape(len(chunk), -1))
+    codes = np.concatenate(codes).astype(np.int32)
+    os.makedirs(cache_dir, exist_ok=True)
+    partial = f"{path}.partial.npz"  # written whole, then renamed: a killed run leaves no bad cache
+    np.savez(partial, codes=codes, labels=labels, key=key)
+    os.replace(partial, path)
+    logging.info("prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path)
+    return codes, labels
+
+
+def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
+    return config.get("codes_cache_dir") or os.path.join(vqgan.workdir, "codes")
+
+
+# --------------------------------------------------------------------------------------------
+# The task protocol (see attnjax/tasks/__init__.py)
+# --------------------------------------------------------------------------------------------
+
+
+def create_model(config) -> prior.GPT:
+    """A ``GPT`` over the VQGAN's codes: vocab = codes + class tokens, block = the token grid."""
+    vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
+    height, width = vqgan.grid_shape
+    return prior.GPT(
+        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes),
+        block_size=height * width,
+        **config.model.to_dict(),
+    )
+
+
+class _Records:
+    """Random access to ``{"codes": [n], "label": []}`` examples of in-memory arrays."""
+
+    def __init__(self, codes, labels):
+        self.codes, self.labels = codes, labels
+
+    def __len__(self):
+        return len(self.codes)
+
+    def __getitem__(self, index):
+        return {"codes": self.codes[index], "label": self.labels[index]}
+
+
+def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> data.Datasets:
+    """Grain pipelines over the cached codes (train: shuffled, repeated; eval: padded)."""
+    vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
+    cache_dir = _cache_dir(config, vqgan)
+    split = vqgan.config.data
+    train_codes, train_labels = encode_split(
+        vqgan, split.train_split, shifts=config.data.get("train_shifts", 0), cache_dir=cache_dir)
+    eval_codes, eval_labels = encode_split(vqgan, split.eval_split, cache_dir=cache_dir)
+    _check_labels(config, train_labels, eval_labels)
+    batch = data.per_process_batch_size(config.batch_size, process_count)
+    eval_batch = data.per_process_batch_size(
+        config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size")
+
+    train = grain.MapDataset.source(_Records(train_codes, train_labels))[process_index::process_count]
+    if len(train) < batch:
+        raise ValueError(f"config.batch_size={config.batch_size} is larger than the {len(train)} "
+                         "code sequences on this process.")
+    train = train.seed(config.seed).shuffle().repeat(None).batch(batch, drop_remainder=True)
+
+    shard = _Records(eval_codes[process_index::process_count], eval_labels[process_index::process_count])
+    num_batches = math.ceil(math.ceil(len(eval_codes) / process_count) / eval_batch)
+    blank = {"codes": np.zeros_like(eval_codes[0]), "label": np.int32(0)}
+
+    def eval_example(i):
+        if i < len(shard):
+            return {**shard[i], "mask": np.float32(1.0)}
+        return {**blank, "mask": np.float32(0.0)}
+
+    evaluation = grain.MapDataset.range(num_batches * eval_batch).map(eval_example)
+    return data.Datasets(train=train, eval=evaluation.batch(eval_batch),
+                         num_train_examples=len(train_codes), num_eval_examples=len(eval_codes))
+
+
+def _check_labels(config, *label_arrays):
+    if config.num_classes <= 0:
+        return
+    largest = max(int(labels.max()) for labels in label_arrays)
+    if largest >= config.num_classes:
+        raise ValueError(f"config.num_classes={config.num_classes} but the VQGAN's dataset has "
+                         f"label {largest}")
+
+
+def create_train_state(rng, config, model, example_batch) -> TrainState:
+    codes = jnp.asarray(example_batch["codes"][:1])
+    params = jax.jit(lambda r: model.init(r, codes))(rng)["params"]
+    tx = optim.make_optimizer(config)
+    ema = params if config.get("ema_decay", 0.0) else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      ema_params=ema)
+
+
+def _prefix(config, model, batch):
+    codebook_size = model.vocab_size - max(config.num_classes, 1)
+    return prior.prefix_tokens(batch["label"], codebook_size, config.num_classes,
+                               batch["codes"].shape[0])
+
+
+def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
+    tx = optim.make_optimizer(config)
+    codes = batch["codes"]
+    prefix = _prefix(config, model, batch)
+
+    def loss_fn(params):
+        logits = prior.sequence_logits(model, params, codes, prefix, deterministic=False,
+                                       rngs={"dropout": rng})
+        return prior.cross_entropy(logits, codes), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == codes)}
+    if axis_name is not None:
+        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["bits_per_token"] = prior.bits_per_token(metrics["loss"])
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["learning_rate"] = optim.learning_rate_at(config, state.step)
+    ema = state.ema_params
+    if ema is not None:
+        ema = optim.ema_update(ema, params, config.ema_decay)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         ema_params=ema), metrics
+
+
+def _eval_params(state: TrainState):
+    return state.params if state.ema_params is None else state.ema_params
+
+
+def eval_step(state: TrainState, batch, *, config, model):
+    codes, mask = batch["codes"], batch["mask"]
+    logits = prior.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.mean(jnp.take_along_axis(log_probs, codes[..., None], axis=-1)[..., 0], axis=-1)
+    correct = jnp.mean((jnp.argmax(logits, -1) == codes).astype(jnp.float32), axis=-1)
+    return {"nll": jnp.sum(nll * mask), "bits_per_token": jnp.sum(prior.bits_per_token(nll) * mask),
+            "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+
+
+def sample_grid(state_or_params, config, model, rng, path: str | None = None):
+    """``config.sampling.per_class`` samples of every class (a row each): ``(labels, images)``."""
+    params = _eval_params(state_or_params) if isinstance(state_or_params, TrainState) else state_or_params
+    vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
+    sampling = config.sampling
+    per_class = sampling.per_class
+    classes = max(config.num_classes, 1)
+    labels = np.repeat(np.arange(classes, dtype=np.int32), per_class) if config.num_classes else None
+    _, images = prior.sample_images(
+        model, params, vqgan.model, vqgan.variables, labels, rng,
+        grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
+        num_classes=config.num_classes, num_samples=classes * per_class,
+        temperature=sampling.temperature, top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
+        mean=vqgan.config.data.mean, std=vqgan.config.data.std, path=path, nrow=per_class,
+        scale=sampling.get("png_scale", 1))
+    return labels, images
+
+
+def write_images(state: TrainState, batch, *, config, model, workdir, step):
+    """``samples/<step>.png``: class-conditional samples, one row per class."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(os.path.join(workdir, "samples"), exist_ok=True)
+    path = os.path.join(workdir, "samples", f"{int(step):06d}.png")
+    sample_grid(state, config, model, jax.random.key(config.seed), path)

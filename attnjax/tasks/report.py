@@ -1,0 +1,91 @@
+"""What a person sees of a run: metrics.jsonl, TensorBoard events, an eval table, PNG curves."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from absl import logging
+
+
+class MetricWriter:
+    """Appends one JSON object per event to ``workdir/metrics.jsonl`` and mirrors the scalars
+    to TensorBoard (``workdir/tensorboard``). Only process 0 writes."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, scalars: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in scalars.items():
+            self._tb.add_scalar(key, float(value), int(step))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The events of ``workdir/metrics.jsonl`` (a resumed run's repeated steps keep the last)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_table(step: int, metrics: dict) -> str:
+    """A short two-column table of eval metrics."""
+    width = max(len(k) for k in metrics)
+    lines = [f"eval at step {step}", "-" * (width + 12)]
+    lines += [f"{k:<{width}}  {v:>9.4f}" for k, v in sorted(metrics.items())]
+    return "\n".join(lines)
+
+
+def plot_curves(workdir: str) -> str | None:
+    """``curves.png``: one panel per metric name (train and eval share a panel) vs step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, dict[int, float]]] = {}
+    for record in read_metrics(workdir):
+        for key, value in record.items():
+            if "/" not in key:
+                continue
+            split, name = key.split("/", 1)
+            series.setdefault(name, {}).setdefault(split, {})[record["step"]] = value
+    if not series:
+        return None
+    names = sorted(series)
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for split, points in sorted(series[name].items()):
+            steps = sorted(points)
+            ax.plot(steps, [points[s] for s in steps], marker="o" if split == "eval" else None,
+                    markersize=3, label=split)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path = os.path.join(workdir, "curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    logging.info("wrote %s", path)
+    return path

@@ -1,0 +1,34 @@
+"""Train any attnjax task from an ml_collections config.
+
+    python train.py --config configs/vit_digits.py --workdir runs/digits
+    python train.py --config configs/vit_cifar10.py --workdir runs/cifar --config.batch_size=256
+
+Rerunning the same command resumes from the workdir's latest checkpoint. The loop itself is
+``attnjax.tasks.loop.train_and_evaluate`` (callable from Python).
+"""
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from attnjax.tasks.loop import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_digits.py",
+                                          "Training config file (configs/*.py[:arg]).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and plots.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
+        logging.set_verbosity(logging.WARNING)
+    metrics = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    summary = ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in sorted(metrics.items()))
+    logging.info("final: %s", summary)
+    print(f"final: {summary}")
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("workdir")
+    app.run(main)
