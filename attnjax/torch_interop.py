@@ -18,6 +18,7 @@ The layout rules, shared by every model:
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 from typing import Any, Mapping
 
@@ -172,6 +173,81 @@ def embedding(state: StateDict, prefix: str) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# Multi-head attention: torch.nn.MultiheadAttention (engineer A)
+# --------------------------------------------------------------------------------------------
+
+
+def mha_from_torch(module):
+    """``torch.nn.MultiheadAttention`` -> ``(attnjax.attention.MultiHeadAttention, variables)``.
+
+    Handles the packed ``in_proj_weight`` [3E, E] (split into query/key/value) and the separate
+    ``q/k/v_proj_weight`` a module with ``kdim``/``vdim != embed_dim`` has, with or without bias.
+    ``module.dropout`` becomes ``dropout_rate``. Our module is always batch-first: inputs of a
+    ``batch_first=False`` module (``[L, batch, E]``) must be transposed by the caller. Masks
+    translate with ``mha_mask_from_torch`` (PyTorch's boolean masks mean the opposite of ours).
+    """
+    from attnjax.attention import MultiHeadAttention
+
+    if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
+        raise NotImplementedError(
+            "mha_from_torch: add_bias_kv=True / add_zero_attn=True append extra key/value positions "
+            "that attnjax.attention.MultiHeadAttention does not model"
+        )
+    state = {name: to_numpy(value) for name, value in module.state_dict().items()}
+    if "in_proj_weight" in state:
+        weights = np.split(state["in_proj_weight"], 3)
+    else:
+        weights = [state[f"{name}_proj_weight"] for name in ("q", "k", "v")]
+    params = {name: {"kernel": w.T} for name, w in zip(("query", "key", "value"), weights)}
+    if "in_proj_bias" in state:
+        for name, bias in zip(("query", "key", "value"), np.split(state["in_proj_bias"], 3)):
+            params[name]["bias"] = bias
+    params["out"] = linear(state, "out_proj")
+    flax_module = MultiHeadAttention(
+        num_heads=module.num_heads,
+        use_bias="in_proj_bias" in state,
+        dropout_rate=float(module.dropout),
+    )
+    return flax_module, {"params": params}
+
+
+def mha_mask_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int):
+    """PyTorch ``MultiheadAttention`` masks -> one attnjax mask, broadcastable to ``[batch, heads, L, S]``.
+
+    PyTorch: ``attn_mask`` ``[L, S]`` or ``[batch * heads, L, S]``, ``key_padding_mask``
+    ``[batch, S]``; boolean True means "masked out", float masks are added. attnjax: boolean True
+    means "may attend". Float and boolean masks together give an additive (float) mask, as in
+    PyTorch. Returns None when both are None.
+    """
+    from attnjax.attention import combine_masks
+
+    masks = []
+    if attn_mask is not None:
+        attn_mask = to_numpy(attn_mask)
+        if attn_mask.ndim == 3:
+            if attn_mask.shape[0] % num_heads:
+                raise ValueError(
+                    f"mha_mask_from_torch: attn_mask of shape {attn_mask.shape} must be [L, S] or "
+                    f"[batch * num_heads, L, S] with num_heads={num_heads}"
+                )
+            attn_mask = attn_mask.reshape(-1, num_heads, *attn_mask.shape[1:])
+        elif attn_mask.ndim != 2:
+            raise ValueError(
+                f"mha_mask_from_torch: attn_mask must be [L, S] or [batch * heads, L, S], got {attn_mask.shape}"
+            )
+        masks.append(~attn_mask if attn_mask.dtype == bool else attn_mask)
+    if key_padding_mask is not None:
+        key_padding_mask = to_numpy(key_padding_mask)
+        if key_padding_mask.ndim != 2:
+            raise ValueError(
+                f"mha_mask_from_torch: key_padding_mask must be [batch, S], got {key_padding_mask.shape}"
+            )
+        padding = key_padding_mask[:, None, None, :]
+        masks.append(~padding if padding.dtype == bool else padding)
+    return combine_masks(*masks)
+
+
+# --------------------------------------------------------------------------------------------
 # Transformer prior: taming's minGPT (engineer E)
 # --------------------------------------------------------------------------------------------
 
@@ -225,3 +301,639 @@ def gpt_from_taming(state_dict, n_head: int):
         params[f"blocks_{i}"] = block
     model = GPT(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     return model, {"params": params}
+
+
+# --------------------------------------------------------------------------------------------
+# VQGAN (taming-transformers): VQModel, NLayerDiscriminator
+# --------------------------------------------------------------------------------------------
+
+# taming's nested ModuleLists -> attnjax's flat submodule names.
+_TAMING_RENAMES = (
+    (r"\b(down|up)\.(\d+)\.(block|attn)\.(\d+)\b", r"\1_\2_\3_\4"),
+    (r"\b(down|up)\.(\d+)\.(downsample|upsample)\b", r"\1_\2_\3"),
+    (r"\bmid\.(block_1|attn_1|block_2)\b", r"mid_\1"),
+    (r"\bmain\.(\d+)\b", r"main_\1"),
+)
+# Leaf name -> (collection, Flax leaf, layout rule), by the PyTorch tensor's rank.
+_TAMING_LEAVES = {
+    ("weight", 4): ("params", "kernel", lambda w: w.transpose(2, 3, 1, 0)),  # Conv2d
+    ("weight", 2): ("params", "embedding", lambda w: w),  # nn.Embedding (the codebook)
+    ("weight", 1): ("params", "scale", lambda w: w),  # GroupNorm / BatchNorm2d
+    ("bias", 1): ("params", "bias", lambda w: w),
+    ("running_mean", 1): ("batch_stats", "mean", lambda w: w),
+    ("running_var", 1): ("batch_stats", "var", lambda w: w),
+    ("loc", 4): ("params", "loc", lambda w: w.reshape(-1)),  # ActNorm [1, C, 1, 1]
+    ("scale", 4): ("params", "scale", lambda w: w.reshape(-1)),
+}
+_TAMING_SKIPPED = ("num_batches_tracked", "initialized")
+
+
+def _taming_variables(state: StateDict, prefixes: tuple[str, ...], strip: str = "") -> dict:
+    """Convert the keys under ``prefixes`` (after removing ``strip``) with the tables above."""
+    import re
+
+    variables: dict = {}
+    for key, value in state.items():
+        if strip and not key.startswith(strip):
+            continue
+        name = key[len(strip):]
+        if not name.startswith(prefixes) or name.rsplit(".", 1)[-1] in _TAMING_SKIPPED:
+            continue
+        for pattern, replacement in _TAMING_RENAMES:
+            name = re.sub(pattern, replacement, name)
+        *path, leaf = name.split(".")
+        array = to_numpy(value)
+        rule = _TAMING_LEAVES.get((leaf, array.ndim))
+        if rule is None:
+            raise KeyError(f"no conversion rule for {key!r} with shape {array.shape}")
+        collection, flax_leaf, layout = rule
+        if path[-1] == "embedding":  # quantize.embedding.weight: the codebook itself
+            path, flax_leaf = path[:-1], "embedding"
+        node = variables.setdefault(collection, {})
+        for part in path:
+            node = node.setdefault(part, {})
+        node[flax_leaf] = np.ascontiguousarray(layout(array))
+    return variables
+
+
+def _check_against_init(module, variables: dict, example, where: str) -> None:
+    """Every converted leaf must exist in ``module.init`` with the same shape, and vice versa."""
+    import jax
+
+    expected = jax.eval_shape(lambda x: module.init(jax.random.PRNGKey(0), x), example)
+    expected = {
+        jax.tree_util.keystr(path): leaf.shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(expected)
+        if jax.tree_util.keystr(path[:1]) != "['vq_state']"
+    }
+    got = {jax.tree_util.keystr(path): np.shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(got) & set(expected) if got[k] != tuple(expected[k]))
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{where}: the state dict does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shapes {[(k, got[k], expected[k]) for k in wrong[:5]]}"
+        )
+
+
+def vqgan_from_taming(state_dict, ddconfig, n_embed: int, embed_dim: int, **vqgan_kwargs):
+    """A taming ``VQModel`` state dict (or module, or checkpoint path) -> ``(VQGAN, variables)``.
+
+    Reads ``encoder.*``, ``decoder.*``, ``quant_conv.*``, ``post_quant_conv.*`` and
+    ``quantize.embedding.weight`` (``loss.*`` keys are ignored; see
+    ``nlayer_discriminator_from_taming``). ``ddconfig`` is taming's (its ``double_z`` must be
+    False, as in every VQModel config). The quantizer is taming 0.0.1's: ``legacy=True``, beta 0.25,
+    unless ``vqgan_kwargs`` say otherwise.
+    """
+    import jax.numpy as jnp
+
+    from attnjax import vqgan
+
+    state = load_state_dict(state_dict)
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    ddconfig = dict(ddconfig)
+    if ddconfig.get("double_z", True):
+        raise ValueError(
+            "vqgan_from_taming: ddconfig['double_z'] must be False (taming's VQModel quant_conv reads "
+            f"z_channels channels), got {ddconfig.get('double_z', 'unset (taming default True)')}"
+        )
+    vqgan_kwargs.setdefault("quantizer", {"legacy": True})
+    module = vqgan.create_vqgan(ddconfig, n_embed, embed_dim, **vqgan_kwargs)
+    variables = _taming_variables(state, ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "quantize."))
+    example = jnp.zeros((1, ddconfig["resolution"], ddconfig["resolution"], ddconfig["in_channels"]))
+    _check_against_init(module, variables, example, "vqgan_from_taming")
+    return module, variables
+
+
+def nlayer_discriminator_from_taming(state_dict, prefix: str = ""):
+    """taming's ``NLayerDiscriminator`` (or the ``loss.discriminator.`` part of a VQModel state
+    dict, with that ``prefix``) -> ``(NLayerDiscriminator, variables)``. Width, depth, norm
+    (BatchNorm / ActNorm) and input channels are read off the tensors."""
+    import jax.numpy as jnp
+
+    from attnjax import vqgan
+
+    state = load_state_dict(state_dict)
+    if prefix and not prefix.endswith("."):
+        prefix += "."
+    convs = sorted(
+        int(k[len(prefix):].split(".")[1])
+        for k, v in state.items()
+        if k.startswith(prefix + "main.") and k.endswith(".weight") and np.ndim(v) == 4
+    )
+    if not convs:
+        raise KeyError(f"nlayer_discriminator_from_taming: no '{prefix}main.N.weight' conv keys found")
+    first = to_numpy(state[f"{prefix}main.0.weight"])
+    if any(k.endswith(".running_mean") for k in state if k.startswith(prefix)):
+        norm = "batch"
+    elif any(k.endswith(".loc") for k in state if k.startswith(prefix)):
+        norm = "actnorm"
+    else:
+        norm = "none"
+    module = vqgan.NLayerDiscriminator(ndf=first.shape[0], n_layers=len(convs) - 2, norm=norm)
+    variables = _taming_variables(state, ("main.",), strip=prefix)
+    example = jnp.zeros((1, 64, 64, first.shape[1]))
+    _check_against_init(module, variables, example, "nlayer_discriminator_from_taming")
+    return module, variables
+
+
+# --------------------------------------------------------------------------------------------
+# Vision Transformer: timm, the seeds' PyTorch layout, Google .npz (engineer B)
+# --------------------------------------------------------------------------------------------
+
+
+class _RecordingState(Mapping):
+    """A state dict that remembers which keys were read, so leftovers (unsupported parts) show."""
+
+    def __init__(self, state: Mapping):
+        self._state, self.read = state, set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return self._state[key]
+
+    def __contains__(self, key):
+        return key in self._state
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self):
+        return len(self._state)
+
+    def unread(self) -> list[str]:
+        return sorted(set(self._state) - self.read)
+
+
+def _set_path(tree: dict, path: tuple, value) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
+
+
+def _split_packed_qkv(state: StateDict, weight_key: str, bias_key: str) -> dict:
+    """Packed ``[3 * width, width]`` q/k/v projection (timm ``qkv``, torch ``in_proj``) -> three Dense."""
+    weight = _take(state, "", weight_key)
+    bias = _take(state, "", bias_key, required=False)
+    if bias is None:
+        raise ValueError(
+            f"state dict has no {bias_key!r}: attnjax's MultiHeadAttention has q/k/v biases "
+            "(timm qkv_bias=False is not supported)"
+        )
+    width = weight.shape[1]
+    if weight.shape != (3 * width, width):
+        raise ValueError(f"{weight_key}: expected shape [3 * {width}, {width}], got {weight.shape}")
+    return {
+        name: {"kernel": weight[i * width:(i + 1) * width].T, "bias": bias[i * width:(i + 1) * width]}
+        for i, name in enumerate(("query", "key", "value"))
+    }
+
+
+def _conv_patch_kernel(weight: np.ndarray) -> np.ndarray:
+    """Conv2d weight ``[width, C, ph, pw]`` -> ``patch_embed.kernel [ph * pw * C, width]`` (pixels (row, col, C))."""
+    width, channels, ph, pw = weight.shape
+    return weight.transpose(2, 3, 1, 0).reshape(ph * pw * channels, width)
+
+
+def _vit_blocks(state: StateDict, prefix: str, depth: int, table, packed_qkv) -> dict:
+    params = {}
+    for layer in range(depth):
+        block: dict = {}
+        base = f"{prefix}.{layer}"
+        attn = _split_packed_qkv(state, f"{base}.{packed_qkv[0]}", f"{base}.{packed_qkv[1]}")
+        block["attn"] = attn
+        for torch_name, path, convert in table:
+            _set_path(block, path, convert(state, f"{base}.{torch_name}"))
+        params[f"blocks_{layer}"] = block
+    return params
+
+
+def _count_layers(state: StateDict, prefix: str) -> int:
+    indices = {int(key.split(".")[1]) for key in state if key.startswith(prefix + ".")}
+    if not indices:
+        raise ValueError(f"state dict has no {prefix}.N.* keys; is it a ViT?")
+    return max(indices) + 1
+
+
+def _grid_from_tokens(tokens: int, prefix_tokens: int, where: str) -> int:
+    side = math.isqrt(max(tokens - prefix_tokens, 0))
+    if side * side != tokens - prefix_tokens or side == 0:
+        raise ValueError(
+            f"{where}: a position table of {tokens} tokens is not {prefix_tokens} prefix token(s) plus "
+            "a square grid; pass image_size=(H, W)"
+        )
+    return side
+
+
+def _build_vit(config: dict, params: dict, grid: tuple, where: str):
+    """``create_vit(**config)`` plus ``params`` (per-layer layout) checked against the module's own
+    ``init`` shapes; stacked for ``scan_layers``. Returns ``(model, {"params": ...})``."""
+    import jax
+    import jax.numpy as jnp
+
+    from attnjax.vit import create_vit, stack_block_params
+
+    model = create_vit(**config)
+    if model.scan_layers:
+        params = stack_block_params(params)
+    ph, pw = model.patch_size if isinstance(model.patch_size, (tuple, list)) else (model.patch_size,) * 2
+    images = jax.ShapeDtypeStruct((1, grid[0] * ph, grid[1] * pw, model.in_channels), jnp.float32)
+    expected = jax.eval_shape(model.init, jax.random.key(0), images)["params"]
+    got = jax.tree.map(lambda x: x.shape, params)
+    want = jax.tree.map(lambda x: x.shape, expected)
+    if got != want:
+        raise ValueError(f"{where}: converted parameters do not fit {model}:\n  got  {got}\n  want {want}")
+    params = jax.tree.map(lambda x, e: jnp.asarray(x, dtype=e.dtype), params, expected)
+    return model, {"params": params}
+
+
+_TIMM_VIT_BLOCK_TABLE = (  # timm key under ``blocks.N.`` -> Flax path under ``blocks_N``
+    ("norm1", ("norm1",), layer_norm),
+    ("attn.proj", ("attn", "out"), linear),
+    ("norm2", ("norm2",), layer_norm),
+    ("mlp.fc1", ("mlp", "fc1"), linear),
+    ("mlp.fc2", ("mlp", "fc2"), linear),
+)
+
+
+def _timm_module_config(model) -> dict:
+    """The ViT fields a timm ``VisionTransformer`` instance knows but its state dict does not."""
+    pool = {"token": "cls", "avg": "gap"}.get(model.global_pool)
+    if pool is None:
+        raise ValueError(f"vit_from_timm: global_pool={model.global_pool!r} unsupported; expected 'token' or 'avg'")
+    act = model.blocks[0].mlp.act
+    if type(act).__name__ != "GELU" or getattr(act, "approximate", "none") != "none":
+        raise ValueError(f"vit_from_timm: MLP activation {act} unsupported; expected exact nn.GELU()")
+    norm = model.norm if hasattr(model.norm, "eps") else model.fc_norm
+    return dict(
+        num_heads=model.blocks[0].attn.num_heads,
+        pool=pool,
+        image_size=tuple(model.patch_embed.img_size),
+        layer_norm_eps=float(norm.eps),
+    )
+
+
+def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overrides):
+    """timm ``VisionTransformer`` (module, state dict or checkpoint file) -> ``(ViT, variables)``.
+
+    ``flax_module.apply(variables, images_nhwc)`` equals timm's ``model(images_nchw)`` in eval mode.
+    Key table (timm -> attnjax): ``patch_embed.proj`` (Conv2d) -> ``patch_embed`` (Dense on
+    ``(row, col, C)``-flattened patches), ``cls_token``, ``pos_embed`` -> ``pos_embed/pos_embedding``,
+    ``blocks.N.attn.qkv`` (packed, q|k|v) -> ``blocks_N/attn/{query,key,value}``, ``attn.proj`` ->
+    ``attn/out``, ``norm1``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``, ``norm``, ``fc_norm``, ``head``.
+
+    From a module, the config (heads, pooling, LayerNorm eps, image size) is read from it. From a
+    state dict (``torch.save`` or ``.safetensors`` file, loaded without unpickling code), sizes
+    come from the tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when
+    ``fc_norm`` weights exist, and the grid is square unless ``image_size`` is passed.
+    ``overrides`` are further ``ViT`` fields (``scan_layers``, ``remat``, ``dtype``, dropouts...).
+    Parts attnjax's ViT does not have (register tokens, LayerScale, qk-norm, pre-norm, attention
+    pooling) leave unread keys and raise ``ValueError``.
+    """
+    config: dict = {}
+    if hasattr(model_or_state_dict, "patch_embed") and hasattr(model_or_state_dict, "blocks"):
+        config.update(_timm_module_config(model_or_state_dict))
+    if num_heads is not None:
+        config["num_heads"] = num_heads
+    if "num_heads" not in config:
+        raise ValueError("vit_from_timm: a state dict does not record the number of heads; pass num_heads=")
+    state = _RecordingState(load_state_dict(model_or_state_dict))
+    patch_weight = _take(state, "patch_embed.proj", "weight")
+    width, channels, ph, pw = patch_weight.shape
+    class_token = "cls_token" in state
+    params = {"patch_embed": {"kernel": _conv_patch_kernel(patch_weight), "bias": _take(state, "patch_embed.proj", "bias")}}
+    if class_token:
+        params["cls_token"] = _take(state, "", "cls_token")
+    depth = _count_layers(state, "blocks")
+    params.update(_vit_blocks(state, "blocks", depth, _TIMM_VIT_BLOCK_TABLE, ("attn.qkv.weight", "attn.qkv.bias")))
+    fc_norm = "fc_norm.weight" in state
+    params["fc_norm" if fc_norm else "norm"] = layer_norm(state, "fc_norm" if fc_norm else "norm")
+    num_classes = 0
+    if "head.weight" in state:
+        params["head"] = linear(state, "head")
+        num_classes = params["head"]["kernel"].shape[1]
+    config = {
+        "pool": "gap" if fc_norm else "cls",
+        **config,
+        "patch_size": (ph, pw),
+        "width": width,
+        "depth": depth,
+        "mlp_dim": params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
+        "in_channels": channels,
+        "num_classes": num_classes,
+        "class_token": class_token,
+        "fc_norm": fc_norm,
+    }
+    prefix_tokens = int(class_token)
+    pos_embed = _take(state, "", "pos_embed")
+    tokens = pos_embed.shape[1]
+    if "image_size" in config:
+        grid = (config["image_size"][0] // ph, config["image_size"][1] // pw)
+    else:
+        square = math.isqrt(tokens)
+        side = square if square * square == tokens else _grid_from_tokens(tokens, prefix_tokens, "vit_from_timm")
+        grid = (side, side)
+    config["no_embed_class"] = class_token and tokens == grid[0] * grid[1]
+    params["pos_embed"] = {"pos_embedding": pos_embed}
+    config.setdefault("layer_norm_eps", 1e-6)
+    unread = state.unread()
+    if unread:
+        raise ValueError(f"vit_from_timm: unsupported timm ViT parts, keys not converted: {unread[:8]}")
+    return _finish_vit(config, overrides, params, grid, "vit_from_timm")
+
+
+def _finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: str):
+    """Apply ``overrides``; a new ``image_size`` resamples a learned position table (bicubic, as
+    for fine-tuning at a new resolution); then build and check the model."""
+    from attnjax.positional import resize_position_embedding
+
+    config = dict(config)
+    patch = config["patch_size"] if isinstance(config["patch_size"], (tuple, list)) else (config["patch_size"],) * 2
+    config["image_size"] = (grid[0] * patch[0], grid[1] * patch[1])
+    config.update(overrides)
+    size = config["image_size"] if isinstance(config["image_size"], (tuple, list)) else (config["image_size"],) * 2
+    if size[0] % patch[0] or size[1] % patch[1]:
+        raise ValueError(f"{where}: image_size {tuple(size)} is not divisible by patch_size {tuple(patch)}")
+    new_grid = (size[0] // patch[0], size[1] // patch[1])
+    if new_grid != tuple(grid) and "pos_embed" in params:
+        table = params["pos_embed"]["pos_embedding"]
+        prefix = table.shape[1] - grid[0] * grid[1]
+        resized = resize_position_embedding(table, new_grid, num_prefix_tokens=prefix, old_grid_hw=grid)
+        params = {**params, "pos_embed": {"pos_embedding": np.asarray(resized)}}
+    return _build_vit(config, params, new_grid, where)
+
+
+_SEED_VIT_BLOCK_TABLE = (  # seed key under ``transformer_blocks.N.`` -> Flax path under ``blocks_N``
+    ("norm1", ("norm1",), layer_norm),
+    ("attention.out_proj", ("attn", "out"), linear),
+    ("norm2", ("norm2",), layer_norm),
+    ("ffn.linear1", ("mlp", "fc1"), linear),
+    ("ffn.linear2", ("mlp", "fc2"), linear),
+)
+
+
+def vit_from_seed_layout(model_or_state_dict, *, num_heads: int | None = None, in_channels: int = 3, **overrides):
+    """The study notes' PyTorch ``VisionTransformer`` (seed 000) -> ``(ViT, variables)``.
+
+    Its layout: ``patch_embed`` (Linear on patches flattened ``(C, row, col)``, reordered here to
+    attnjax's ``(row, col, C)``), ``cls_token``, ``pos_embed [1, 1 + N, width]``,
+    ``transformer_blocks.N.{norm1, attention (nn.MultiheadAttention: packed in_proj_weight/bias,
+    out_proj), norm2, ffn.linear1, ffn.linear2}``, ``norm``, ``head``; LayerNorm eps is torch's
+    1e-5. From a module, ``num_heads``/eps/patch size are read from it; from a state dict pass
+    ``num_heads`` (and ``in_channels`` if not 3). Dropouts are 0 unless overridden: the converted
+    model is for inference or fine-tuning with the caller's own settings.
+    """
+    config: dict = {"layer_norm_eps": 1e-5}
+    if hasattr(model_or_state_dict, "transformer_blocks"):
+        module = model_or_state_dict
+        config["num_heads"] = module.transformer_blocks[0].attention.num_heads
+        config["layer_norm_eps"] = float(module.norm.eps)
+    if num_heads is not None:
+        config["num_heads"] = num_heads
+    if "num_heads" not in config:
+        raise ValueError("vit_from_seed_layout: a state dict does not record the number of heads; pass num_heads=")
+    state = _RecordingState(load_state_dict(model_or_state_dict))
+    weight = _take(state, "patch_embed", "weight")
+    width, patch_dim = weight.shape
+    patch = math.isqrt(patch_dim // in_channels)
+    if patch * patch * in_channels != patch_dim:
+        raise ValueError(
+            f"vit_from_seed_layout: patch_embed.weight of shape {weight.shape} is not in_channels="
+            f"{in_channels} times a square patch; pass in_channels"
+        )
+    conv_weight = weight.reshape(width, in_channels, patch, patch)
+    depth = _count_layers(state, "transformer_blocks")
+    params = {
+        "patch_embed": {"kernel": _conv_patch_kernel(conv_weight), "bias": _take(state, "patch_embed", "bias")},
+        "cls_token": _take(state, "", "cls_token"),
+        "pos_embed": {"pos_embedding": _take(state, "", "pos_embed")},
+        "norm": layer_norm(state, "norm"),
+        "head": linear(state, "head"),
+        **_vit_blocks(
+            state,
+            "transformer_blocks",
+            depth,
+            _SEED_VIT_BLOCK_TABLE,
+            ("attention.in_proj_weight", "attention.in_proj_bias"),
+        ),
+    }
+    side = _grid_from_tokens(params["pos_embed"]["pos_embedding"].shape[1], 1, "vit_from_seed_layout")
+    unread = state.unread()
+    if unread:
+        raise ValueError(f"vit_from_seed_layout: keys not converted (not the seed layout?): {unread[:8]}")
+    config.update(
+        patch_size=patch,
+        width=width,
+        depth=depth,
+        mlp_dim=params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
+        in_channels=in_channels,
+        num_classes=params["head"]["kernel"].shape[1],
+        image_size=side * patch,
+        pool="cls",
+    )
+    return _finish_vit(config, overrides, params, (side, side), "vit_from_seed_layout")
+
+
+# Google ViT .npz checkpoints. Two layouts, all keys "/"-joined Flax paths, optionally under a
+# "params/" or "opt/target/" prefix:
+#
+#   vision_transformer (github.com/google-research/vision_transformer, the published ImageNet files)
+#     embedding/kernel [ph, pw, C, width], embedding/bias [width]
+#     cls [1, 1, width]
+#     Transformer/posembed_input/pos_embedding [1, 1 + gh * gw, width]     (covers the class token)
+#     Transformer/encoderblock_N/LayerNorm_0/{scale, bias}                  (norm1)
+#     Transformer/encoderblock_N/MultiHeadDotProductAttention_1/{query, key, value}/kernel
+#         [width, heads, head_dim], .../bias [heads, head_dim]; .../out/kernel [heads, head_dim,
+#         width], .../out/bias [width]
+#     Transformer/encoderblock_N/LayerNorm_2/{scale, bias}                  (norm2)
+#     Transformer/encoderblock_N/MlpBlock_3/Dense_{0, 1}/{kernel, bias}     (fc1, fc2)
+#     Transformer/encoder_norm/{scale, bias}
+#     pre_logits/{kernel, bias}                                             (optional, + tanh)
+#     head/{kernel, bias}                                                   (optional)
+#   big_vision (github.com/google-research/big_vision, models/vit.py)
+#     as above, but pos_embedding [1, gh * gw, width] at the top level (patch tokens only; the
+#     class token "cls", if any, is concatenated after it), block sub-modules LayerNorm_0,
+#     MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0, and either encoderblock_N or one
+#     scanned Transformer/encoderblock with a leading [depth] axis on every leaf.
+# LayerNorm eps is Flax's 1e-6. Without "cls" the model pools by averaging ("gap").
+_NPZ_LAYOUTS = {
+    "vision_transformer": dict(norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_1", norm2="LayerNorm_2", mlp="MlpBlock_3"),
+    "big_vision": dict(norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_0", norm2="LayerNorm_1", mlp="MlpBlock_0"),
+}
+
+
+def _npz_block_to_flax(get, names: dict) -> dict:
+    """One encoder block's npz arrays (``get(relative_key)``) -> attnjax block params (leaves may
+    carry a leading ``[depth]`` axis: the reshapes keep leading axes)."""
+    attn = {}
+    for name in ("query", "key", "value"):
+        kernel = get(f"{names['attn']}/{name}/kernel")  # [width, heads, head_dim]
+        bias = get(f"{names['attn']}/{name}/bias")  # [heads, head_dim]
+        attn[name] = {"kernel": kernel.reshape(*kernel.shape[:-2], -1), "bias": bias.reshape(*bias.shape[:-2], -1)}
+    out = get(f"{names['attn']}/out/kernel")  # [heads, head_dim, width]
+    attn["out"] = {"kernel": out.reshape(*out.shape[:-3], -1, out.shape[-1]), "bias": get(f"{names['attn']}/out/bias")}
+    norm = lambda n: {"scale": get(f"{names[n]}/scale"), "bias": get(f"{names[n]}/bias")}  # noqa: E731
+    dense = lambda i: {"kernel": get(f"{names['mlp']}/Dense_{i}/kernel"), "bias": get(f"{names['mlp']}/Dense_{i}/bias")}  # noqa: E731
+    return {"norm1": norm("norm1"), "attn": attn, "norm2": norm("norm2"), "mlp": {"fc1": dense(0), "fc2": dense(1)}}
+
+
+def load_google_npz(path, **overrides):
+    """A Google ViT ``.npz`` checkpoint (layouts above) -> ``(ViT, variables)``.
+
+    Sizes, heads and pooling are read from the arrays; the grid is assumed square. ``overrides``
+    are ``ViT`` fields: ``image_size`` different from the checkpoint's resamples the position
+    table (fine-tuning at a new resolution), ``num_classes`` different from the checkpoint's head
+    starts a new zero head, ``scan_layers``/``remat``/``dtype``/dropouts as usual.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_google_npz: no checkpoint file at {str(path)!r}")
+    with np.load(path, allow_pickle=False) as archive:
+        arrays = {key: archive[key] for key in archive.files}
+    prefix = next((p for p in ("", "params/", "opt/target/") if f"{p}embedding/kernel" in arrays), None)
+    if prefix is None:
+        raise ValueError(f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; not a Google ViT checkpoint")
+    read: set = set()
+
+    def get(key):
+        read.add(prefix + key)
+        if prefix + key not in arrays:
+            raise ValueError(f"load_google_npz: {str(path)!r} has no array {prefix + key!r}")
+        return arrays[prefix + key]
+
+    has = lambda key: prefix + key in arrays  # noqa: E731
+    big_vision = has("pos_embedding") or has("Transformer/encoderblock/LayerNorm_0/scale") or has(
+        "Transformer/encoderblock_0/MultiHeadDotProductAttention_0/query/kernel"
+    )
+    names = _NPZ_LAYOUTS["big_vision" if big_vision else "vision_transformer"]
+    kernel = get("embedding/kernel")
+    ph, pw, channels, width = kernel.shape
+    params = {"patch_embed": {"kernel": kernel.reshape(-1, width), "bias": get("embedding/bias")}}
+    class_token = has("cls")
+    if class_token:
+        params["cls_token"] = get("cls")
+    scanned = has("Transformer/encoderblock/LayerNorm_0/scale")
+    if scanned:
+        stacked = _npz_block_to_flax(lambda key: get(f"Transformer/encoderblock/{key}"), names)
+        depth = len(stacked["norm1"]["scale"])
+        for layer in range(depth):
+            params[f"blocks_{layer}"] = _map_leaves(lambda leaf: leaf[layer], stacked)
+    else:
+        depth = len({k.split("/")[1] for k in arrays if k.startswith(prefix + "Transformer/encoderblock_")})
+        for layer in range(depth):
+            params[f"blocks_{layer}"] = _npz_block_to_flax(lambda key: get(f"Transformer/encoderblock_{layer}/{key}"), names)
+    if depth == 0:
+        raise ValueError(f"load_google_npz: {str(path)!r} has no Transformer/encoderblock arrays")
+    first_block = "Transformer/encoderblock/" if scanned else "Transformer/encoderblock_0/"
+    heads = arrays[f"{prefix}{first_block}{names['attn']}/query/bias"].shape[-2]
+    params["norm"] = {"scale": get("Transformer/encoder_norm/scale"), "bias": get("Transformer/encoder_norm/bias")}
+    pos_embed = get("pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding")
+    params["pos_embed"] = {"pos_embedding": pos_embed}
+    no_embed_class = big_vision and class_token
+    side = _grid_from_tokens(pos_embed.shape[1], int(class_token and not no_embed_class), "load_google_npz")
+    config = dict(
+        patch_size=(ph, pw),
+        width=width,
+        depth=depth,
+        num_heads=heads,
+        mlp_dim=params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
+        in_channels=channels,
+        num_classes=0,
+        pool="cls" if class_token else "gap",
+        class_token=class_token,
+        no_embed_class=no_embed_class,
+        fc_norm=False,
+        layer_norm_eps=1e-6,
+    )
+    if has("pre_logits/kernel"):
+        params["pre_logits"] = {"kernel": get("pre_logits/kernel"), "bias": get("pre_logits/bias")}
+        config["representation_size"] = params["pre_logits"]["kernel"].shape[1]
+    if has("head/kernel"):
+        head = {"kernel": get("head/kernel"), "bias": get("head/bias")}
+        config["num_classes"] = head["kernel"].shape[1]
+        if overrides.get("num_classes", config["num_classes"]) == config["num_classes"]:
+            params["head"] = head
+        elif overrides["num_classes"]:
+            features = head["kernel"].shape[0]
+            params["head"] = {
+                "kernel": np.zeros((features, overrides["num_classes"]), np.float32),
+                "bias": np.zeros((overrides["num_classes"],), np.float32),
+            }
+    unread = sorted(set(arrays) - read)
+    if unread:
+        raise ValueError(f"load_google_npz: arrays not converted (unsupported parts): {unread[:8]}")
+    return _finish_vit(config, overrides, params, (side, side), "load_google_npz")
+
+
+def _map_leaves(fn, tree: dict) -> dict:
+    return {k: _map_leaves(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
+def save_google_npz(path, model, variables, layout: str = "vision_transformer") -> pathlib.Path:
+    """Write an attnjax ``ViT``'s parameters as a Google ``.npz`` in ``layout`` (see above).
+
+    "vision_transformer" needs the position table to cover the class token (or no class token);
+    "big_vision" needs it to cover only the patches (``no_embed_class=True``) and is written
+    scanned (one ``Transformer/encoderblock`` with a leading ``[depth]`` axis) when the model
+    uses ``scan_layers``. Either needs learned position embeddings and no ``fc_norm``.
+    """
+    from attnjax.vit import unstack_block_params
+
+    if layout not in _NPZ_LAYOUTS:
+        raise ValueError(f"save_google_npz: layout must be one of {sorted(_NPZ_LAYOUTS)}, got {layout!r}")
+    params = _map_leaves(np.asarray, dict(variables["params"]))
+    flat_blocks = unstack_block_params(params) if model.scan_layers else params
+    fc_norm = model.pool == "gap" if model.fc_norm is None else model.fc_norm
+    big_vision = layout == "big_vision"
+    if model.posemb != "learn" or fc_norm or model.pool != ("cls" if model.class_token else "gap"):
+        raise ValueError(
+            f"save_google_npz: needs posemb='learn', no fc_norm and pool 'cls' with a class token or "
+            f"'gap' without; got posemb={model.posemb!r}, fc_norm={fc_norm}, pool={model.pool!r}, "
+            f"class_token={model.class_token}"
+        )
+    if model.class_token and model.no_embed_class != big_vision:
+        raise ValueError(
+            f"save_google_npz: layout {layout!r} needs no_embed_class={big_vision} with a class token, "
+            f"got no_embed_class={model.no_embed_class}"
+        )
+    names = _NPZ_LAYOUTS[layout]
+    ph, pw = model.patch_size if isinstance(model.patch_size, (tuple, list)) else (model.patch_size,) * 2
+    heads = model.num_heads
+    out = {
+        "embedding/kernel": params["patch_embed"]["kernel"].reshape(ph, pw, model.in_channels, model.width),
+        "embedding/bias": params["patch_embed"]["bias"],
+        "pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding": params["pos_embed"]["pos_embedding"],
+        "Transformer/encoder_norm/scale": params["norm"]["scale"],
+        "Transformer/encoder_norm/bias": params["norm"]["bias"],
+    }
+    if model.class_token:
+        out["cls"] = params["cls_token"]
+    for name in ("pre_logits", "head"):
+        if name in params:
+            out[f"{name}/kernel"], out[f"{name}/bias"] = params[name]["kernel"], params[name]["bias"]
+
+    def block_arrays(block: dict, base: str) -> dict:
+        arrays = {}
+        for ours, theirs in (("norm1", names["norm1"]), ("norm2", names["norm2"])):
+            arrays[f"{base}/{theirs}/scale"], arrays[f"{base}/{theirs}/bias"] = block[ours]["scale"], block[ours]["bias"]
+        for name in ("query", "key", "value"):
+            kernel, bias = block["attn"][name]["kernel"], block["attn"][name]["bias"]
+            arrays[f"{base}/{names['attn']}/{name}/kernel"] = kernel.reshape(*kernel.shape[:-1], heads, -1)
+            arrays[f"{base}/{names['attn']}/{name}/bias"] = bias.reshape(*bias.shape[:-1], heads, -1)
+        kernel = block["attn"]["out"]["kernel"]
+        arrays[f"{base}/{names['attn']}/out/kernel"] = kernel.reshape(*kernel.shape[:-2], heads, -1, kernel.shape[-1])
+        arrays[f"{base}/{names['attn']}/out/bias"] = block["attn"]["out"]["bias"]
+        for i, fc in enumerate(("fc1", "fc2")):
+            arrays[f"{base}/{names['mlp']}/Dense_{i}/kernel"] = block["mlp"][fc]["kernel"]
+            arrays[f"{base}/{names['mlp']}/Dense_{i}/bias"] = block["mlp"][fc]["bias"]
+        return arrays
+
+    if big_vision and model.scan_layers:
+        out.update(block_arrays(params["blocks"], "Transformer/encoderblock"))
+    else:
+        for layer in range(model.depth):
+            out.update(block_arrays(flat_blocks[f"blocks_{layer}"], f"Transformer/encoderblock_{layer}"))
+    path = pathlib.Path(path)
+    np.savez(path, **out)
+    return path
