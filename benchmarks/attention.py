@@ -1,0 +1,132 @@
+"""Attention speed and memory: attnjax vs PyTorch's scaled_dot_product_attention, same inputs.
+
+    python benchmarks/attention.py [--lengths 128 512 1024] [--batch 8] [--heads 8] [--head-dim 64]
+
+For each sequence length it times forward and forward+backward of
+  * attnjax fused path (``jax.nn.dot_product_attention``: XLA on CPU, cuDNN on a GPU for bf16/f16),
+  * attnjax explicit path (einsum + softmax, what runs when weights or dropout are requested),
+  * torch ``F.scaled_dot_product_attention`` (eager, the backend PyTorch picks on this device),
+and reports XLA's temporary buffer size per compiled call (the memory the scores matrix costs).
+Prints a table and writes ``benchmarks/results/attention_<platform>.json``. Compile time is
+excluded from the steady-state numbers and reported on its own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnjax.attention import dot_product_attention
+
+
+def _time(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs (``fn`` must block until done)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bench_jax(q, k, v, implementation: str, repeats: int) -> dict:
+    def loss(q, k, v):
+        return jnp.sum(dot_product_attention(q, k, v, is_causal=True, implementation=implementation))
+
+    forward = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation=implementation))
+    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    result = {}
+    for name, fn in (("forward", forward), ("forward_backward", backward)):
+        start = time.perf_counter()
+        compiled = fn.lower(q, k, v).compile()
+        jax.block_until_ready(compiled(q, k, v))
+        result[f"{name}_compile_s"] = time.perf_counter() - start
+        result[f"{name}_ms"] = 1e3 * _time(lambda: jax.block_until_ready(compiled(q, k, v)), repeats)
+        memory = compiled.memory_analysis()
+        result[f"{name}_temp_mib"] = (
+            memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
+        )
+    return result
+
+
+def bench_torch(q, k, v, repeats: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    # torch wants [batch, heads, length, head_dim]; ours is [batch, length, heads, head_dim].
+    tq, tk, tv = (torch.from_numpy(np.array(x)).transpose(1, 2).contiguous() for x in (q, k, v))
+
+    def forward():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+
+    leaves = [t.clone().requires_grad_(True) for t in (tq, tk, tv)]
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
+
+    forward(), forward_backward()  # warm-up
+    return {
+        "threads": torch.get_num_threads(),
+        "forward_ms": 1e3 * _time(forward, repeats),
+        "forward_backward_ms": 1e3 * _time(forward_backward, repeats),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/attention_<platform>.json)")
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    rows = []
+    for length in args.lengths:
+        rng = np.random.default_rng(length)
+        shape = (args.batch, length, args.heads, args.head_dim)
+        q, k, v = (jnp.asarray(rng.standard_normal(shape, dtype=np.float32)) for _ in range(3))
+        row = {"length": length, "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim}
+        for implementation in ("xla", "explicit"):
+            for key, value in bench_jax(q, k, v, implementation, args.repeats).items():
+                row[f"attnjax_{implementation}_{key}"] = value
+        for key, value in bench_torch(q, k, v, args.repeats).items():
+            row[f"torch_{key}"] = value
+        rows.append(row)
+
+    header = (
+        f"{'L':>6} | {'fwd ms: fused':>13} {'explicit':>9} {'torch':>8} | "
+        f"{'fwd+bwd ms: fused':>17} {'explicit':>9} {'torch':>8} | {'XLA temp MiB: fused':>19} {'explicit':>9}"
+    )
+    print(f"float32 causal attention, batch {args.batch}, heads {args.heads}, head_dim {args.head_dim}, on {device.device_kind}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['length']:>6} | {r['attnjax_xla_forward_ms']:>13.2f} {r['attnjax_explicit_forward_ms']:>9.2f} "
+            f"{r['torch_forward_ms']:>8.2f} | {r['attnjax_xla_forward_backward_ms']:>17.2f} "
+            f"{r['attnjax_explicit_forward_backward_ms']:>9.2f} {r['torch_forward_backward_ms']:>8.2f} | "
+            f"{r['attnjax_xla_forward_backward_temp_mib']:>19.1f} {r['attnjax_explicit_forward_backward_temp_mib']:>9.1f}"
+        )
+
+    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"attention_{device.platform}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+            "machine": platform.machine(), "devices": jax.local_device_count()}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
