@@ -937,3 +937,42 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
     path = pathlib.Path(path)
     np.savez(path, **out)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# LPIPS (VGG16 trunk + learned linear layers)
+# --------------------------------------------------------------------------------------------
+
+
+def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
+    """VGG16 + LPIPS linear weights -> ``(attnjax.lpips.LPIPS(), variables)``.
+
+    ``vgg_state_dict``: torchvision's ``vgg16`` (keys ``features.N.*``; the ``classifier.*`` keys
+    are ignored), or a whole ``lpips.LPIPS(net="vgg")`` / taming ``LPIPS`` state dict (keys
+    ``net.sliceK.N.*``). ``linear_state_dict``: the ``lpips`` package's ``weights/v0.1/vgg.pth``
+    (keys ``linK.model.1.weight``); omitted when the first state dict already holds them.
+    """
+    import re
+
+    from attnjax import lpips
+
+    vgg = load_state_dict(vgg_state_dict)
+    linear = vgg if linear_state_dict is None else load_state_dict(linear_state_dict)
+    trunk = {}
+    for key in vgg:
+        match = re.fullmatch(r"(?:features|net\.slice\d)\.(\d+)\.weight", key)
+        if match:
+            trunk[f"features_{match.group(1)}"] = conv2d(vgg, key[: -len(".weight")])
+    expected = {f"features_{index}" for index, _ in lpips.VGG16_CONVS}
+    if set(trunk) != expected:
+        raise KeyError(
+            f"lpips_from_torch: expected the 13 VGG16 convs {sorted(expected)} as 'features.N' or "
+            f"'net.sliceK.N' keys, found {sorted(trunk)}"
+        )
+    params = {"net": trunk}
+    for k in range(len(lpips.CHANNELS)):
+        key = next((f"lin{k}.model.{i}" for i in (1, 0) if f"lin{k}.model.{i}.weight" in linear), None)
+        if key is None:
+            raise KeyError(f"lpips_from_torch: no 'lin{k}.model.1.weight' (or model.0) in the linear weights")
+        params[f"lin{k}"] = conv2d(linear, key)
+    return lpips.LPIPS(), {"params": params}
