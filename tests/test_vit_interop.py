@@ -1,0 +1,191 @@
+"""ViT weight conversion: timm's VisionTransformer, state-dict files, Google .npz checkpoints.
+
+timm is imported for real (conftest makes torchvision importable next to the CPU torch); a failed
+import fails these tests instead of skipping them.
+"""
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.torch
+import timm
+import torch
+from conftest import assert_close
+from timm.models import vision_transformer as timm_vit
+
+from attnjax import torch_interop, vit
+
+
+def _timm_vit(seed=0, **kwargs):
+    """A small timm VisionTransformer with every parameter randomised, in eval mode."""
+    config = dict(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=5)
+    config.update(kwargs)
+    torch.manual_seed(seed)
+    model = timm_vit.VisionTransformer(**config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def _images(batch, size, channels=3, seed=0):
+    height, width = (size, size) if isinstance(size, int) else size
+    return np.random.default_rng(seed).standard_normal((batch, height, width, channels)).astype(np.float32)
+
+
+def _timm_logits(model, images_nhwc):
+    with torch.no_grad():
+        return model(torch.from_numpy(images_nhwc).permute(0, 3, 1, 2).contiguous()).numpy()
+
+
+def _logits(model, variables, images):
+    return np.asarray(jax.jit(model.apply)(variables, images))
+
+
+def test_vit_tiny_patch16_224_matches_timm():
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    reference.eval()
+    model, variables = torch_interop.vit_from_timm(reference)
+    assert (model.width, model.depth, model.num_heads, model.mlp_dim, model.num_classes) == (192, 12, 3, 768, 1000)
+    assert model.layer_norm_eps == 1e-6 and model.pool == "cls"
+    images = _images(2, 224)
+    expected = _timm_logits(reference, images)
+    assert_close(_logits(model, variables, images), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
+                 what="vit_tiny_patch16_224 logits")
+
+
+@pytest.mark.parametrize(
+    "kwargs, size",
+    [
+        (dict(), 16),
+        (dict(global_pool="avg"), 16),  # fc_norm after the mean of the patch tokens
+        (dict(global_pool="avg", class_token=False), 16),
+        (dict(no_embed_class=True), 16),  # position table without the class token
+        (dict(img_size=(16, 24), patch_size=(4, 2)), (16, 24)),  # non-square image and patch
+    ],
+    ids=["token", "avg", "avg-no-cls", "no-embed-class", "non-square"],
+)
+def test_logits_match_timm(kwargs, size):
+    reference = _timm_vit(**kwargs)
+    model, variables = torch_interop.vit_from_timm(reference)
+    assert model.pool == ("gap" if kwargs.get("global_pool") == "avg" else "cls")
+    images = _images(3, size, seed=1)
+    assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"timm {kwargs} logits")
+
+
+def test_scan_layers_with_converted_weights_matches_timm():
+    reference = _timm_vit(depth=3)
+    model, variables = torch_interop.vit_from_timm(reference, scan_layers=True)
+    assert model.scan_layers and variables["params"]["blocks"]["norm1"]["scale"].shape == (3, 24)
+    images = _images(2, 16, seed=2)
+    assert_close(_logits(model, variables, images), _timm_logits(reference, images), what="scanned logits")
+
+
+@pytest.mark.parametrize("fmt", ["torch.save", "safetensors"])
+def test_state_dict_files(tmp_path, fmt):
+    reference = _timm_vit(global_pool="avg")
+    if fmt == "safetensors":
+        path = tmp_path / "vit.safetensors"
+        safetensors.torch.save_file(reference.state_dict(), str(path))
+    else:
+        path = tmp_path / "vit.pth"
+        torch.save({"state_dict": reference.state_dict()}, path)
+    with pytest.raises(ValueError, match="pass num_heads="):
+        torch_interop.vit_from_timm(path)
+    model, variables = torch_interop.vit_from_timm(path, num_heads=3)
+    assert (model.pool, model.image_size) == ("gap", (16, 16))
+    images = _images(2, 16, seed=3)
+    assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"{fmt} logits")
+
+
+class _NotWeights:
+    def __reduce__(self):
+        return (print, ("arbitrary code ran",))
+
+
+def test_checkpoint_with_code_is_refused(tmp_path):
+    path = tmp_path / "bad.pth"
+    with open(path, "wb") as f:
+        torch.save({"state_dict": _NotWeights()}, f)
+    with pytest.raises(pickle.UnpicklingError):
+        torch_interop.vit_from_timm(path, num_heads=3)
+
+
+def test_unsupported_timm_parts_raise():
+    with pytest.raises(ValueError, match=r"ls1\.gamma"):
+        torch_interop.vit_from_timm(_timm_vit(init_values=1e-5))
+    with pytest.raises(ValueError, match="global_pool='max'"):
+        torch_interop.vit_from_timm(_timm_vit(global_pool="max"))
+
+
+def _write_and_check_timm_reads_it(path, model, variables, timm_kwargs, images):
+    """timm's own Google .npz reader is an independent check of the layout we write."""
+    reader = _timm_vit(seed=7, **timm_kwargs)
+    timm_vit._load_weights(reader, str(path))
+    assert_close(_timm_logits(reader.eval(), images), _logits(model, variables, images), what=f"timm reads {path.name}")
+
+
+@pytest.mark.parametrize(
+    "layout, timm_kwargs, scan",
+    [("vision_transformer", {}, False), ("big_vision", dict(no_embed_class=True), True)],
+)
+def test_google_npz_round_trip(tmp_path, layout, timm_kwargs, scan):
+    reference = _timm_vit(**timm_kwargs)
+    model, variables = torch_interop.vit_from_timm(reference, scan_layers=scan)
+    path = torch_interop.save_google_npz(tmp_path / f"{layout}.npz", model, variables, layout=layout)
+    with np.load(path) as archive:
+        keys = set(archive.files)
+    if layout == "vision_transformer":
+        assert "Transformer/encoderblock_1/MultiHeadDotProductAttention_1/query/kernel" in keys
+        assert "Transformer/posembed_input/pos_embedding" in keys
+    else:
+        assert "Transformer/encoderblock/MlpBlock_0/Dense_0/kernel" in keys and "pos_embedding" in keys
+    loaded, loaded_variables = torch_interop.load_google_npz(path)
+    assert (loaded.num_heads, loaded.depth, loaded.no_embed_class) == (3, 2, layout == "big_vision")
+    images = _images(2, 16, seed=4)
+    expected = _timm_logits(reference, images)
+    assert_close(_logits(loaded, loaded_variables, images), expected, what=f"{layout} npz logits")
+    _write_and_check_timm_reads_it(path, loaded, loaded_variables, timm_kwargs, images)
+
+
+def test_google_npz_fine_tuning_overrides(tmp_path):
+    model, variables = torch_interop.vit_from_timm(_timm_vit())
+    path = torch_interop.save_google_npz(tmp_path / "vit.npz", model, variables)
+    tuned, tuned_variables = torch_interop.load_google_npz(path, image_size=24, num_classes=7, scan_layers=True)
+    params = tuned_variables["params"]
+    assert params["pos_embed"]["pos_embedding"].shape == (1, 1 + 6 * 6, 24)
+    assert_close(params["pos_embed"]["pos_embedding"][:, 0], variables["params"]["pos_embed"]["pos_embedding"][:, 0],
+                 what="class token position is kept")
+    assert params["head"]["kernel"].shape == (24, 7) and not np.any(params["head"]["kernel"])
+    assert tuned.apply(tuned_variables, _images(1, 24)).shape == (1, 7)
+
+
+def test_google_npz_bad_files(tmp_path):
+    np.savez(tmp_path / "other.npz", weights=np.zeros(3))
+    with pytest.raises(ValueError, match="no 'embedding/kernel'"):
+        torch_interop.load_google_npz(tmp_path / "other.npz")
+    model, variables = torch_interop.vit_from_timm(_timm_vit(global_pool="avg"))
+    with pytest.raises(ValueError, match="no fc_norm"):
+        torch_interop.save_google_npz(tmp_path / "gap.npz", model, variables)
+
+
+def test_seed_layout_state_dict_needs_heads():
+    state = {"patch_embed.weight": torch.zeros(8, 48)}
+    with pytest.raises(ValueError, match="pass num_heads="):
+        torch_interop.vit_from_seed_layout(state)
+
+
+@pytest.mark.parametrize("variant, timm_name", [("Ti/16", "vit_tiny_patch16_224"), ("L/16", "vit_large_patch16_224")])
+def test_parameter_counts_equal_timm(variant, timm_name):
+    with torch.device("meta"):  # shapes only: no memory for L/16's 304M parameters
+        reference = timm.create_model(timm_name, pretrained=False)
+    model = vit.create_vit(variant, num_classes=1000)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
+    assert count == sum(p.numel() for p in reference.parameters())
