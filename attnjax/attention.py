@@ -163,7 +163,7 @@ def _explicit_attention(query, key, value, keep, bias, row_valid, scale, dropout
     return out, weights
 
 
-def _fused_attention(query, key, value, keep, bias, scale, implementation):
+def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation):
     if implementation is None:
         supported = (
             jax.default_backend() == "gpu"
@@ -174,13 +174,13 @@ def _fused_attention(query, key, value, keep, bias, scale, implementation):
         if supported:
             try:
                 return jax.nn.dot_product_attention(
-                    query, key, value, bias, keep, scale=scale, implementation="cudnn"
+                    query, key, value, bias, keep, scale=scale, is_causal=is_causal, implementation="cudnn"
                 )
             except (NotImplementedError, ValueError, RuntimeError):
                 pass  # cuDNN rejects some shapes and layouts at trace time; XLA takes any.
         implementation = "xla"
     return jax.nn.dot_product_attention(
-        query, key, value, bias, keep, scale=scale, implementation=implementation
+        query, key, value, bias, keep, scale=scale, is_causal=is_causal, implementation=implementation
     )
 
 
@@ -240,8 +240,14 @@ def dot_product_attention(
     _check_mask_shape(mask, (batch, heads, length, key_length), "dot_product_attention")
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
 
+    explicit = (
+        return_weights or dropout_rate > 0.0 or value.shape[-1] != depth or implementation == "explicit"
+    )
     keep, bias = _split_mask(mask)
-    if is_causal:
+    # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked blocks);
+    # anything else is folded into the boolean mask.
+    kernel_causal = is_causal and keep is None and length == key_length and not explicit
+    if is_causal and not kernel_causal:
         causal = causal_mask(length, key_length)
         keep = causal if keep is None else jnp.logical_and(keep, causal)
     if keep is not None:
@@ -252,15 +258,12 @@ def dot_product_attention(
     if bias is not None:
         bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
 
-    explicit = (
-        return_weights or dropout_rate > 0.0 or value.shape[-1] != depth or implementation == "explicit"
-    )
     if explicit:
         out, weights = _explicit_attention(
             query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng
         )
         return (out, weights) if return_weights else out
-    out = _fused_attention(query, key, value, keep, bias, scale, implementation)
+    out = _fused_attention(query, key, value, keep, bias, scale, kernel_causal, implementation)
     if row_valid is not None:
         # [batch?, heads?, L, 1] -> [batch?, L, heads?, 1], to match the output layout.
         out = jnp.where(jnp.swapaxes(row_valid, 1, 2), out, 0.0)

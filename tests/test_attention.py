@@ -11,6 +11,11 @@ from hypothesis import strategies as st
 from attnjax import attention
 
 F = torch.nn.functional
+# Jitted once per shape: one XLA compile per test case instead of one per eager op.
+SDPA = jax.jit(
+    attention.scaled_dot_product_attention,
+    static_argnames=("is_causal", "scale", "dropout_rate", "return_weights"),
+)
 
 
 def torch_sdpa(query, key, value, mask=None, is_causal=False, scale=None):
@@ -75,7 +80,7 @@ def test_sdpa_matches_torch(
         mask = mask & causal if mask.dtype == bool else np.where(causal, mask, -np.inf).astype(np.float32)
         is_causal = False
 
-    ours = attention.scaled_dot_product_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
+    ours = SDPA(query, key, value, mask, is_causal=is_causal, scale=scale)
     theirs = torch_sdpa(query, key, value, mask, is_causal, scale).numpy()
     assert ours.shape == theirs.shape
 
@@ -104,7 +109,7 @@ def test_sdpa_gradients_match_torch(mask_kind, is_causal, value_depth):
         out = attention.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=0.3)
         return jnp.sum(out * cotangent)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(query, key, value)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(query, key, value)
 
     tensors = [torch.tensor(x, requires_grad=True) for x in (query, key, value)]
     attn_mask = None if mask is None else torch.tensor(mask)
@@ -121,34 +126,38 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
     mask[1] = False
     float_mask = np.where(mask, 0.0, -np.inf).astype(np.float32)
     for m in (mask, float_mask):
-        out, weights = attention.scaled_dot_product_attention(query, key, value, m, return_weights=True)
+        out, weights = SDPA(query, key, value, m, return_weights=True)
         assert np.all(np.asarray(out)[:, :, 1] == 0) and np.all(np.asarray(weights)[:, :, 1] == 0)
         assert np.allclose(np.asarray(weights).sum(-1)[:, :, [0, 2, 3]], 1.0, atol=1e-6)
-        grads = jax.grad(lambda q, k, v: attention.scaled_dot_product_attention(q, k, v, m).sum(), (0, 1, 2))(
-            query, key, value
-        )
+        grads = jax.jit(jax.grad(lambda *qkv: SDPA(*qkv, m).sum(), (0, 1, 2)))(query, key, value)
         assert all(np.isfinite(np.asarray(g)).all() for g in grads)
         assert np.all(np.asarray(grads[0])[:, :, 1] == 0)
         # torch 2.13's SDPA also gives zeros here (nn.MultiheadAttention still gives NaN)
         assert_close(out, torch_sdpa(query, key, value, m).numpy(), what="output with a dead row")
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_fused_and_explicit_paths_agree(mask_kind, is_causal):
+@pytest.mark.parametrize(
+    "mask_kind, is_causal, key_length",
+    [("none", False, 7), ("bool", False, 7), ("float", True, 7), ("none", True, 7), ("none", True, 5),
+     ("bool", True, 5)],
+)
+def test_fused_and_explicit_paths_agree(mask_kind, is_causal, key_length):
     rng = np.random.default_rng(3)
     query = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
-    key = rng.normal(size=(2, 7, 3, 8)).astype(np.float32)
-    value = rng.normal(size=(2, 7, 3, 8)).astype(np.float32)
-    mask = random_mask(rng, mask_kind, (2, 1, 5, 7))
+    key = rng.normal(size=(2, key_length, 3, 8)).astype(np.float32)
+    value = rng.normal(size=(2, key_length, 3, 8)).astype(np.float32)
+    mask = random_mask(rng, mask_kind, (2, 1, 5, key_length))
     if mask is not None:
         mask[0, 0, 2] = False if mask.dtype == bool else -np.inf  # one fully masked row
     results = {}
     for implementation in ("xla", "explicit"):
-        fn = lambda q, k, v: attention.dot_product_attention(  # noqa: E731
-            q, k, v, mask, is_causal=is_causal, implementation=implementation
-        )
-        results[implementation] = (fn(query, key, value), jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), (0, 1, 2))(query, key, value))
+        def fn(q, k, v, implementation=implementation):
+            return attention.dot_product_attention(
+                q, k, v, mask, is_causal=is_causal, implementation=implementation
+            )
+
+        grad_fn = jax.jit(jax.grad(lambda *qkv: jnp.sum(fn(*qkv) ** 2), (0, 1, 2)))
+        results[implementation] = (jax.jit(fn)(query, key, value), grad_fn(query, key, value))
     assert_close(results["xla"][0], results["explicit"][0], what="fused vs explicit output")
     for g_fused, g_explicit in zip(results["xla"][1], results["explicit"][1]):
         assert_close(g_fused, g_explicit, what="fused vs explicit gradient")
@@ -172,8 +181,8 @@ def test_weights_match_softmax_formula():
 def test_dropout_drops_and_rescales_weights():
     rng = np.random.default_rng(5)
     query, key, value = (rng.normal(size=(2, 2, 8, 4)).astype(np.float32) for _ in range(3))
-    _, clean = attention.scaled_dot_product_attention(query, key, value, return_weights=True)
-    out, dropped = attention.scaled_dot_product_attention(
+    _, clean = SDPA(query, key, value, return_weights=True)
+    out, dropped = SDPA(
         query, key, value, dropout_rate=0.25, dropout_rng=jax.random.key(0), return_weights=True
     )
     clean, dropped = np.asarray(clean), np.asarray(dropped)
@@ -235,7 +244,7 @@ def test_padding_masks_match_torch_key_padding():
     rng = np.random.default_rng(6)
     query, key, value = (rng.normal(size=(2, 1, 5, 4)).astype(np.float32) for _ in range(3))
     valid = attention.padding_mask(jnp.array([3, 5]), 5)
-    ours = attention.scaled_dot_product_attention(query, key, value, valid[:, None, None, :])
+    ours = SDPA(query, key, value, valid[:, None, None, :])
     theirs = torch_sdpa(query, key, value, np.asarray(valid)[:, None, None, :]).numpy()
     assert_close(ours, theirs, what="key padding")
 
@@ -250,8 +259,8 @@ def test_mha_matches_manual_heads():
     x = rng.normal(size=(2, 5, 12)).astype(np.float32)
     context = rng.normal(size=(2, 7, 6)).astype(np.float32)
     module = attention.MultiHeadAttention(num_heads=3, head_dim=2, value_dim=5, out_features=4)
-    variables = module.init(jax.random.key(0), x, context)
-    out, weights = module.apply(variables, x, context, return_weights=True)
+    variables = jax.jit(module.init)(jax.random.key(0), x, context)
+    out, weights = jax.jit(lambda v: module.apply(v, x, context, return_weights=True))(variables)
     assert out.shape == (2, 5, 4) and weights.shape == (2, 3, 5, 7)
 
     p = jax.tree.map(np.asarray, variables["params"])
@@ -269,10 +278,10 @@ def test_mha_decode_matches_full_causal_pass():
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.normal(size=(2, 9, 8)).astype(np.float32))
     module = attention.MultiHeadAttention(num_heads=2, decode=True)
-    variables = module.init(jax.random.key(1), x)
+    variables = jax.jit(module.init)(jax.random.key(1), x)
     assert variables["cache"]["cached_key"].shape == (2, 9, 2, 4)
-    full = attention.MultiHeadAttention(num_heads=2).apply(
-        {"params": variables["params"]}, x, is_causal=True
+    full = jax.jit(lambda p: attention.MultiHeadAttention(num_heads=2).apply(p, x, is_causal=True))(
+        {"params": variables["params"]}
     )
 
     step = jax.jit(lambda v, chunk: module.apply(v, chunk, mutable=["cache"]))
@@ -289,13 +298,13 @@ def test_mha_decode_matches_full_causal_pass():
 def test_mha_dropout_uses_rng_only_when_training():
     x = jnp.ones((1, 4, 8))
     module = attention.MultiHeadAttention(num_heads=2, dropout_rate=0.5)
-    variables = module.init(jax.random.key(0), x)
-    eval_out = module.apply(variables, x)
-    a = module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
-    b = module.apply(variables, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    variables = jax.jit(module.init)(jax.random.key(0), x)
+    eval_out, weights = jax.jit(lambda v: module.apply(v, x, return_weights=True))(variables)
+    train = jax.jit(lambda rng: module.apply(variables, x, deterministic=False, rngs={"dropout": rng}))
+    a, b = train(jax.random.key(1)), train(jax.random.key(1))
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, eval_out)
-    _, weights = module.apply(variables, x, return_weights=True)
+    assert not np.allclose(a, train(jax.random.key(2)))
     assert_close(np.asarray(weights).sum(-1), np.ones((1, 2, 4)), what="eval weights sum to 1")
 
 
@@ -304,62 +313,85 @@ def test_mha_dropout_uses_rng_only_when_training():
 # --------------------------------------------------------------------------------------------
 
 
+def numpy_attention(q, k, v, keep):
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    scores = np.where(keep, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)) @ v
+
+
 def test_jit_grad_vmap_through_public_functions():
     rng = np.random.default_rng(9)
-    q, k, v = (jnp.asarray(rng.normal(size=(4, 2, 3, 4)).astype(np.float32)) for _ in range(3))
+    q, k, v = (rng.normal(size=(4, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    expected = numpy_attention(q, k, v, np.tril(np.ones((3, 3), bool)))
     sdpa = attention.scaled_dot_product_attention
-    eager = sdpa(q, k, v, is_causal=True)
-    assert_close(jax.jit(sdpa, static_argnames="is_causal")(q, k, v, is_causal=True), eager, what="jit")
-    assert_close(jax.vmap(lambda a, b, c: sdpa(a, b, c, is_causal=True))(q, k, v), eager, what="vmap")
-    bthd = [jnp.swapaxes(t, 1, 2) for t in (q, k, v)]
-    assert_close(
-        jnp.swapaxes(jax.jit(attention.dot_product_attention)(*bthd), 1, 2), sdpa(q, k, v), what="jit bthd"
-    )
+    causal = jax.jit(lambda a, b, c: sdpa(a, b, c, is_causal=True))
+    assert_close(causal(q, k, v), expected, what="jit")
+    assert_close(jax.jit(jax.vmap(causal))(q, k, v), expected, what="vmap")
+    bthd = [np.swapaxes(t, 1, 2) for t in (q, k, v)]
+    fused = jax.jit(lambda *a: attention.dot_product_attention(*a, is_causal=True))(*bthd)
+    assert_close(np.swapaxes(fused, 1, 2), expected, what="jit dot_product_attention")
     # a float mask is differentiable (e.g. a learned relative-position bias)
-    bias = jnp.zeros((3, 3))
-    grad_bias = jax.grad(lambda b: jnp.sum(sdpa(q, k, v, b) ** 2))(bias)
+    grad_bias = jax.jit(jax.grad(lambda b: jnp.sum(sdpa(q, k, v, b) ** 2)))(jnp.zeros((3, 3)))
     assert grad_bias.shape == (3, 3) and np.abs(np.asarray(grad_bias)).sum() > 0
-    lengths = jnp.array([[1, 2], [3, 1]])
-    masks = jax.vmap(lambda n: attention.make_attention_mask(*(2 * [attention.padding_mask(n, 3)])))(lengths)
+
+    def pair_mask(lengths):
+        valid = attention.padding_mask(lengths, 3)
+        return attention.combine_masks(attention.make_attention_mask(valid, valid), attention.causal_mask(3))
+
+    masks = jax.jit(jax.vmap(pair_mask))(jnp.array([[1, 2], [3, 1]]))
     assert masks.shape == (2, 2, 1, 3, 3)
-    jitted = jax.jit(attention.combine_masks)(masks[0], attention.causal_mask(3))
-    np.testing.assert_array_equal(jitted[0, 0], [[1, 0, 0], [0, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(masks[0, 1, 0], [[1, 0, 0], [1, 1, 0], [0, 0, 0]])
 
     module = attention.MultiHeadAttention(num_heads=2)
     x = q[:, 0]
-    params = module.init(jax.random.key(0), x)
-    loss = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, x) ** 2)))
-    grads = loss(params)
+    params = jax.jit(module.init)(jax.random.key(0), x)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(module.apply(p, x) ** 2)))(params)
     assert set(grads["params"]) == {"query", "key", "value", "out"}
-    per_example = jax.vmap(lambda xi: module.apply(params, xi[None])[0])(x)
-    assert_close(per_example, module.apply(params, x), rtol=1e-5, what="vmap MHA")
+    assert all(np.abs(np.asarray(g)).sum() > 0 for g in jax.tree.leaves(grads))
+    per_example = jax.jit(jax.vmap(lambda xi: module.apply(params, xi[None])[0]))(x)
+    assert_close(per_example, jax.jit(module.apply)(params, x), what="vmap MHA")
+
+
+def _mha(num_heads, *inputs):
+    return attention.MultiHeadAttention(num_heads=num_heads).init(jax.random.key(0), *inputs)
+
+
+ones = np.ones
+SDPA_ERRORS = [
+    ((ones((2, 3, 4)), ones((2, 5, 4)), ones((2, 6, 4))), {},
+     r"key and value lengths differ: key shape \(2, 5, 4\), value shape \(2, 6, 4\)"),
+    ((ones((3, 4)), ones((5, 3)), ones((5, 3))), {},
+     r"query and key feature sizes differ: query shape \(3, 4\), key shape \(5, 3\)"),
+    ((ones(4), ones((5, 4)), ones((5, 4))), {}, r"query must have rank >= 2.*got shape \(4,\)"),
+    ((ones((2, 3, 4)), ones((2, 5, 4)), ones((2, 5, 4)), ones((3, 4), bool)), {},
+     r"mask of shape \(3, 4\) does not broadcast to \(2, 3, 5\)"),
+    ((ones((2, 3, 4)), ones((3, 5, 4)), ones((3, 5, 4))), {},
+     r"leading dims do not broadcast: query shape \(2, 3, 4\), key shape \(3, 5, 4\)"),
+    ((ones((3, 4)), ones((5, 4)), ones((5, 4))), {"dropout_rate": 0.1}, r"dropout_rate=0.1 needs a dropout_rng"),
+    ((ones((3, 4)), ones((5, 4)), ones((5, 4))), {"dropout_rate": 1.0}, r"dropout_rate must be in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("args, kwargs, message", SDPA_ERRORS)
+def test_bad_sdpa_inputs_raise_value_error(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        attention.scaled_dot_product_attention(*args, **kwargs)
 
 
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: attention.scaled_dot_product_attention(np.ones((2, 3, 4)), np.ones((2, 5, 4)), np.ones((2, 6, 4))),
-         r"key and value lengths differ: key shape \(2, 5, 4\), value shape \(2, 6, 4\)"),
-        (lambda: attention.scaled_dot_product_attention(np.ones((3, 4)), np.ones((5, 3)), np.ones((5, 3))),
-         r"query and key feature sizes differ"),
-        (lambda: attention.scaled_dot_product_attention(np.ones(4), np.ones((5, 4)), np.ones((5, 4))),
-         r"query must have rank >= 2.*\(4,\)"),
-        (lambda: attention.scaled_dot_product_attention(
-            np.ones((2, 3, 4)), np.ones((2, 5, 4)), np.ones((2, 5, 4)), np.ones((3, 4), bool)),
-         r"mask of shape \(3, 4\) does not broadcast to \(2, 3, 5\)"),
-        (lambda: attention.scaled_dot_product_attention(np.ones((2, 3, 4)), np.ones((3, 5, 4)), np.ones((3, 5, 4))),
-         r"leading dims do not broadcast"),
-        (lambda: attention.scaled_dot_product_attention(np.ones((3, 4)), np.ones((5, 4)), np.ones((5, 4)), dropout_rate=0.1),
-         r"dropout_rate=0.1 needs a dropout_rng"),
-        (lambda: attention.dot_product_attention(np.ones((2, 3, 4)), np.ones((2, 3, 4)), np.ones((2, 3, 4))),
+        (lambda: attention.dot_product_attention(ones((2, 3, 4)), ones((2, 3, 4)), ones((2, 3, 4))),
          r"query must be \[batch, length, heads, head_dim\], got shape \(2, 3, 4\)"),
-        (lambda: attention.MultiHeadAttention(num_heads=3).init(jax.random.key(0), jnp.ones((1, 2, 8))),
-         r"num_heads=3 does not divide the query feature size 8"),
-        (lambda: attention.MultiHeadAttention(num_heads=2).init(jax.random.key(0), jnp.ones((2, 8))),
-         r"inputs_q must be \[batch, length, features\], got shape \(2, 8\)"),
-        (lambda: attention.MultiHeadAttention(num_heads=2).init(jax.random.key(0), jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8)), jnp.ones((1, 4, 8))),
-         r"batch/length mismatch"),
+        (lambda: attention.dot_product_attention(ones((1, 3, 2, 4)), ones((1, 5, 2, 4)), ones((1, 4, 2, 4))),
+         r"value shape \(1, 4, 2, 4\) does not match key shape \(1, 5, 2, 4\)"),
+        (lambda: _mha(3, jnp.ones((1, 2, 8))), r"num_heads=3 does not divide the query feature size 8"),
+        (lambda: _mha(2, jnp.ones((2, 8))), r"inputs_q must be \[batch, length, features\], got shape \(2, 8\)"),
+        (lambda: _mha(2, jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8)), jnp.ones((1, 4, 8))),
+         r"batch/length mismatch: inputs_q shape \(1, 2, 8\), inputs_k shape \(1, 3, 8\)"),
         (lambda: attention.padding_mask(jnp.ones((2, 2)), 3), r"lengths must have shape \[batch\]"),
+        (lambda: attention.combine_masks(ones((2, 3), bool), ones((4, 3), bool)), r"do not broadcast together"),
     ],
 )
 def test_bad_inputs_raise_value_error(call, message):

@@ -79,28 +79,32 @@ def test_jit_grad_vmap_through_positional():
     sin = jax.jit(positional.sinusoidal_encoding, static_argnums=(0, 1))
     assert_close(sin(9, 6), positional.sinusoidal_encoding(9, 6), what="jit")
     # d PE[pos, 2i] / d base = cos(angle) * angle * (-2i/dim) / base
-    grad = jax.grad(lambda b: positional.sinusoidal_encoding(4, 4, b)[3, 2])(100.0)
+    grad = jax.jit(jax.grad(lambda b: positional.sinusoidal_encoding(4, 4, b)[3, 2]))(100.0)
     angle = 3 / 100.0 ** 0.5
     assert_close(grad, np.cos(angle) * angle * (-0.5) / 100.0, what="d PE / d base")
     bases = jnp.array([100.0, 10000.0])
     assert_close(
-        jax.vmap(lambda b: positional.sincos_2d_encoding(2, 2, 4, b))(bases)[1],
+        jax.jit(jax.vmap(lambda b: positional.sincos_2d_encoding(2, 2, 4, b)))(bases)[1],
         positional.sincos_2d_encoding(2, 2, 4),
         what="vmap over base",
     )
     posemb = jnp.ones((1, 1 + 4, 2))
     resize = jax.jit(positional.resize_position_embedding, static_argnums=(1,))
     assert resize(posemb, (3, 3)).shape == (1, 10, 2)
-    grad = jax.grad(lambda p: positional.resize_position_embedding(p, (3, 3), method="bilinear").sum())(posemb)
+    resized_sum = lambda p: positional.resize_position_embedding(p, (3, 3), method="bilinear").sum()  # noqa: E731
+    grad = jax.jit(jax.grad(resized_sum))(posemb)
     # bilinear weights sum to one per output pixel: 9 outputs spread over 4 inputs, prefix 1
     assert_close(grad[0, 1:].sum(0), [9.0, 9.0], what="resize gradient mass")
     module = positional.LearnedPositionEmbedding()
     x = jnp.ones((3, 4, 2))
-    variables = module.init(jax.random.key(0), x)
-    per_example = jax.vmap(lambda xi: module.apply(variables, xi[None])[0])(x)
-    assert_close(per_example, module.apply(variables, x), what="vmap module")
-    grads = jax.grad(lambda v: module.apply(v, x).sum())(variables)
+    variables = jax.jit(module.init)(jax.random.key(0), x)
+    per_example = jax.jit(jax.vmap(lambda xi: module.apply(variables, xi[None])[0]))(x)
+    assert_close(per_example, np.asarray(x) + np.asarray(variables["params"]["pos_embedding"]), what="vmap module")
+    grads = jax.jit(jax.grad(lambda v: module.apply(v, x).sum()))(variables)
     assert_close(grads["params"]["pos_embedding"], np.full((1, 4, 2), 3.0), what="d sum / d pos_embedding")
+
+
+resize = positional.resize_position_embedding
 
 
 @pytest.mark.parametrize(
@@ -109,10 +113,12 @@ def test_jit_grad_vmap_through_positional():
         (lambda: positional.sinusoidal_encoding(0, 4), r"length must be a positive int, got 0"),
         (lambda: positional.sinusoidal_encoding(4, 2.5), r"dim must be a positive int, got 2.5"),
         (lambda: positional.sincos_2d_encoding(2, 2, 7), r"dim must be even"),
-        (lambda: positional.resize_position_embedding(np.ones((1, 1 + 6, 4)), (3, 3)), r"6 grid tokens .* not a square grid"),
-        (lambda: positional.resize_position_embedding(np.ones((1, 5, 4)), (3, 3), method="area"), r"method must be one of"),
-        (lambda: positional.resize_position_embedding(np.ones((5, 4)), (3, 3)), r"posemb must be \[1, tokens, dim\], got shape \(5, 4\)"),
-        (lambda: positional.resize_position_embedding(np.ones((1, 7, 4)), (3, 3), old_grid_hw=(2, 2)), r"old_grid_hw=\(2, 2\) does not match the 6 grid tokens"),
+        (lambda: resize(np.ones((1, 1 + 6, 4)), (3, 3)), r"6 grid tokens .* not a square grid"),
+        (lambda: resize(np.ones((1, 5, 4)), (3, 3), method="area"), r"method must be one of"),
+        (lambda: resize(np.ones((5, 4)), (3, 3)), r"posemb must be \[1, tokens, dim\], got shape \(5, 4\)"),
+        (lambda: resize(np.ones((1, 7, 4)), (3, 3), old_grid_hw=(2, 2)),
+         r"old_grid_hw=\(2, 2\) does not match the 6 grid tokens"),
+        (lambda: resize(np.ones((1, 5, 4)), (0, 3)), r"new_grid_hw\[0\] must be a positive int, got 0"),
     ],
 )
 def test_bad_inputs_raise_value_error(call, message):

@@ -172,14 +172,16 @@ def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_fi
 
     # attnjax, batch-first, with the translated mask
     mask = torch_interop.mha_mask_from_torch(attn_mask, key_padding_mask, num_heads=HEADS)
-    ours, our_weights = flax_module.apply(variables, query, key, value, mask=mask, return_weights=True)
+    apply = jax.jit(lambda v, *qkv: flax_module.apply(v, *qkv, mask=mask, return_weights=True))
+    ours, our_weights = apply(variables, query, key, value)
     assert_close(ours, out.detach().numpy(), what="MHA output")
     assert_close(our_weights, weights.detach().numpy(), what="per-head weights")
 
     def loss(params, q, k, v):
         return jnp.sum(flax_module.apply({"params": params}, q, k, v, mask=mask) * cotangent)
 
-    param_grads, *input_grads = jax.grad(loss, argnums=(0, 1, 2, 3))(variables["params"], query, key, value)
+    grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    param_grads, *input_grads = grad_fn(variables["params"], query, key, value)
     torch_grads = {name: p.grad.numpy() for name, p in module.named_parameters()}
     if kdim is None and vdim is None:
         expected = dict(zip(("query", "key", "value"), np.split(torch_grads["in_proj_weight"], 3)))
