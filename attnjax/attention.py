@@ -9,7 +9,8 @@ Two layouts, one set of semantics (PyTorch's ``scaled_dot_product_attention``):
 
 Masks: a boolean mask is True where a query may attend to a key; a float mask is added to the
 scores (``-inf`` entries mask a key out). ``is_causal`` is PyTorch's top-left aligned
-``tril(ones(L, S))``. A query row whose keys are all masked returns zeros (PyTorch returns NaN).
+``tril(ones(L, S))``. A query row whose keys are all masked returns zeros, never NaN (PyTorch's
+``nn.MultiheadAttention`` returns NaN there).
 
 The fused path is ``jax.nn.dot_product_attention`` (cuDNN flash attention on a GPU for
 float16/bfloat16 when it supports the shapes, XLA otherwise); the explicit einsum + softmax path
@@ -173,8 +174,10 @@ def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementa
         )
         if supported:
             try:
+                cudnn_bias = None if bias is None else bias.astype(query.dtype)
                 return jax.nn.dot_product_attention(
-                    query, key, value, bias, keep, scale=scale, is_causal=is_causal, implementation="cudnn"
+                    query, key, value, cudnn_bias, keep, scale=scale, is_causal=is_causal,
+                    implementation="cudnn",
                 )
             except (NotImplementedError, ValueError, RuntimeError):
                 pass  # cuDNN rejects some shapes and layouts at trace time; XLA takes any.
@@ -299,7 +302,7 @@ def scaled_dot_product_attention(
 
     Returns:
       ``[..., L, Ev]``, or ``(out, weights)``. A query row whose keys are all masked gives zeros
-      (and zero weights), where PyTorch gives NaN.
+      and zero weights (as torch 2.13's SDPA does; ``nn.MultiheadAttention`` gives NaN).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     for name, array in (("query", query), ("key", key), ("value", value)):
@@ -339,8 +342,14 @@ def scaled_dot_product_attention(
         return jnp.swapaxes(x, 1, 2)
 
     if mask is not None:
-        mask = jnp.broadcast_to(mask, leading + (length, key_length))
-        mask = mask.reshape(batch, heads, length, key_length)
+        # Singleton dims stay singletons, so an [L, S] mask is not copied per batch and head.
+        mask = mask.reshape((1,) * (len(leading) + 2 - mask.ndim) + mask.shape)
+        mask_heads = mask.shape[-3] if leading else 1
+        if all(d == 1 for d in mask.shape[:-3]):
+            mask = mask.reshape(1, mask_heads, *mask.shape[-2:])
+        else:
+            mask = jnp.broadcast_to(mask, leading[:-1] + mask.shape[-3:])
+            mask = mask.reshape(batch, mask_heads, *mask.shape[-2:])
     result = dot_product_attention(
         to_bthd(query),
         to_bthd(key),

@@ -295,6 +295,30 @@ def test_mha_decode_matches_full_causal_pass():
     assert_close(jnp.concatenate(outputs, axis=1), full, what="decode vs full causal")
 
 
+def test_mha_decode_with_padding_mask_and_weights():
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.normal(size=(2, 6, 8)).astype(np.float32))
+    keys_valid = attention.padding_mask(jnp.array([6, 4]), 6)[:, None, None, :]  # [batch, 1, 1, S]
+    module = attention.MultiHeadAttention(num_heads=2, head_dim=3, value_dim=5, decode=True)
+    variables = jax.jit(module.init)(jax.random.key(2), x)
+    full, full_weights = jax.jit(
+        lambda p: attention.MultiHeadAttention(num_heads=2, head_dim=3, value_dim=5).apply(
+            p, x, mask=keys_valid, is_causal=True, return_weights=True
+        )
+    )({"params": variables["params"]})
+    step = jax.jit(
+        lambda v, chunk: module.apply(v, chunk, mask=keys_valid, return_weights=True, mutable=["cache"])
+    )
+    cache, outputs, weights = variables["cache"], [], []
+    for start, stop in [(0, 2), (2, 3), (3, 6)]:
+        (out, w), updates = step({"params": variables["params"], "cache": cache}, x[:, start:stop])
+        cache = updates["cache"]
+        outputs.append(out)
+        weights.append(w)
+    assert_close(jnp.concatenate(outputs, axis=1), full, what="decode with padding")
+    assert_close(jnp.concatenate(weights, axis=2), full_weights, what="decode weights [batch, heads, T, max_length]")
+
+
 def test_mha_dropout_uses_rng_only_when_training():
     x = jnp.ones((1, 4, 8))
     module = attention.MultiHeadAttention(num_heads=2, dropout_rate=0.5)
@@ -353,8 +377,8 @@ def test_jit_grad_vmap_through_public_functions():
     assert_close(per_example, jax.jit(module.apply)(params, x), what="vmap MHA")
 
 
-def _mha(num_heads, *inputs):
-    return attention.MultiHeadAttention(num_heads=num_heads).init(jax.random.key(0), *inputs)
+def _mha(num_heads, *inputs, **kwargs):
+    return attention.MultiHeadAttention(num_heads=num_heads).init(jax.random.key(0), *inputs, **kwargs)
 
 
 ones = np.ones
@@ -390,6 +414,8 @@ def test_bad_sdpa_inputs_raise_value_error(args, kwargs, message):
         (lambda: _mha(2, jnp.ones((2, 8))), r"inputs_q must be \[batch, length, features\], got shape \(2, 8\)"),
         (lambda: _mha(2, jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8)), jnp.ones((1, 4, 8))),
          r"batch/length mismatch: inputs_q shape \(1, 2, 8\), inputs_k shape \(1, 3, 8\)"),
+        (lambda: _mha(2, jnp.ones((1, 2, 8)), mask=jnp.ones((3, 2, 2), bool)),
+         r"mask of shape \(3, 2, 2\) does not broadcast to \(1, 2, 2, 2\)"),
         (lambda: attention.padding_mask(jnp.ones((2, 2)), 3), r"lengths must have shape \[batch\]"),
         (lambda: attention.combine_masks(ones((2, 3), bool), ones((4, 3), bool)), r"do not broadcast together"),
     ],
