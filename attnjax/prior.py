@@ -352,3 +352,68 @@ def sample_recompute(model: GPT, params, prefix, rng, steps: int, *, temperature
         _sample_recompute, model, params, prefix, rng, steps, temperature, top_k, top_p, num_codes
     )
     return (tokens, logits) if return_logits else tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Images: sampled codes through the VQGAN decoder
+# --------------------------------------------------------------------------------------------
+
+
+def image_grid(images, nrow: int) -> np.ndarray:
+    """``[n, H, W, C]`` floats in [0, 1] -> one uint8 image ``[rows * (H+1) + 1, nrow * (W+1) + 1, C]``.
+
+    Images fill rows left to right; a one-pixel white border separates them.
+    """
+    images = np.clip(np.asarray(images, np.float32), 0.0, 1.0)
+    n, height, width, channels = images.shape
+    rows = -(-n // nrow)
+    grid = np.ones((rows * (height + 1) + 1, nrow * (width + 1) + 1, channels), np.float32)
+    for i, image in enumerate(images):
+        r, c = divmod(i, nrow)
+        grid[1 + r * (height + 1):(r + 1) * (height + 1), 1 + c * (width + 1):(c + 1) * (width + 1)] = image
+    return np.round(grid * 255.0).astype(np.uint8)
+
+
+def save_image_grid(images, path: str, nrow: int, scale: int = 1) -> str:
+    """Writes ``image_grid(images, nrow)`` as a PNG, each pixel ``scale`` x ``scale``; returns the path."""
+    from PIL import Image
+
+    grid = image_grid(images, nrow)
+    if scale > 1:
+        grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)
+    Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(path)
+    return path
+
+
+def sample_images(model: GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
+                  codebook_size: int, num_classes: int, num_samples: int | None = None,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  mean=0.5, std=0.5, path: str | None = None, nrow: int | None = None,
+                  scale: int = 1):
+    """Sample code grids and decode them with the VQGAN: ``(codes [b, h, w], images [b, H, W, C])``.
+
+    Args:
+      model, params: the prior.
+      vqgan, vqgan_variables: a VQGAN module with ``decode_indices([b, h, w]) -> [b, H, W, C]``
+        and its variables.
+      labels: ``[b]`` class ids for a class-conditional prior; None for an unconditional one
+        (then ``num_samples`` gives the batch).
+      rng: PRNG key of the sampler.
+      grid_shape: the token grid ``(h, w)``; ``h * w`` tokens are sampled in raster order.
+      codebook_size, num_classes: the prior's vocabulary (see ``prefix_tokens``).
+      temperature, top_k, top_p: the sampler's.
+      mean, std: the VQGAN's pixel normalisation; images are returned as ``x * std + mean``
+        (in [0, 1] for a well trained model).
+      path: if given, the images are saved there as a PNG grid of ``nrow`` columns.
+    """
+    height, width = grid_shape
+    batch = num_samples if labels is None else len(labels)
+    prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
+    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
+                   top_k=top_k, top_p=top_p, num_codes=codebook_size)
+    codes = codes.reshape(batch, height, width)
+    decoded = vqgan.apply(vqgan_variables, codes, method=type(vqgan).decode_indices)
+    images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
+    if path is not None:
+        save_image_grid(images, path, nrow or batch, scale)
+    return codes, images

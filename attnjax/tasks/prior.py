@@ -72,28 +72,27 @@ def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
     """The VQGAN trained in ``workdir`` (cached per process: the prior's steps reuse it)."""
     from attnjax import tasks
 
-    if not workdir or not os.path.isdir(workdir):
+    if not workdir or not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise FileNotFoundError(
-            f"config.vqgan_workdir={workdir!r} is not a directory: train the VQGAN first "
+            f"config.vqgan_workdir={workdir!r} holds no checkpoints: train the VQGAN first "
             "(python train.py --config configs/vqgan_digits.py --workdir <dir>)"
         )
-    vq_config, variables = checkpoint.load(workdir, step=step, variables=True)
+    vq_config, loaded = checkpoint.load(workdir, step=step, variables=True)
     if vq_config.task != "vqgan":
         raise ValueError(
             f"config.vqgan_workdir={workdir!r} holds a {vq_config.task!r} run, expected a 'vqgan' run"
         )
-    task = tasks.get_task("vqgan")
-    model, variables = task.inference_model(vq_config, variables)
-    step = _checkpoint_step(workdir) if step is None else step
-    size, channels = vq_config.data.image_size, vq_config.model.ddconfig.in_channels
-    image = jax.ShapeDtypeStruct((1, size, size, channels), jnp.float32)
-    indices = jax.eval_shape(lambda x: model.apply(variables, x, method=type(model).encode)[1], image)
-    return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(indices.shape[1:]))
+    model, variables = tasks.get_task("vqgan").inference_model(vq_config, loaded)
+    step = _latest_step(workdir) if step is None else step
+    size = vq_config.data.image_size
+    image = jax.ShapeDtypeStruct((1, size, size, model.in_channels), jnp.float32)
+    grid = jax.eval_shape(lambda x: _encode_indices(model, variables, x), image).shape[1:]
+    return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(grid))
 
 
-def _checkpoint_step(workdir: str) -> int:
-    steps = [int(name) for name in os.listdir(os.path.join(workdir, "checkpoints")) if name.isdigit()]
-    return max(steps)
+def _latest_step(workdir: str) -> int:
+    directory = os.path.join(workdir, "checkpoints")
+    return max(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def _params_digest(tree) -> str:
@@ -129,6 +128,12 @@ def _load_images(data_config, split: str, shifts: int):
     return images, np.asarray(labels, np.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _encode_indices(model, variables, images):
+    """``[b, H, W, C]`` -> the VQGAN's token grid ``[b, h, w]``."""
+    return model.apply(variables, images, method=type(model).encode)[1]
+
+
 def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir: str,
                  batch_size: int = 256):
     """Codes ``int32 [N, h * w]`` (raster order) and labels ``int32 [N]`` of one split, cached."""
@@ -149,7 +154,7 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
             logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
             return cached["codes"], cached["labels"]
     images, labels = _load_images(data_config, split, shifts)
-    encode = jax.jit(lambda x: vqgan.model.apply(vqgan.variables, x, method=type(vqgan.model).encode)[1])
+    encode = functools.partial(_encode_indices, vqgan.model, vqgan.variables)
     codes = []
     for start in tqdm(range(0, len(images), batch_size), desc=f"encoding {split} to codes",
                       unit="batch", leave=False):
