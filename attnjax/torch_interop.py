@@ -466,89 +466,97 @@ class _RecordingState(Mapping):
         return sorted(set(self._state) - self.read)
 
 
-def _set_path(tree: dict, path: tuple, value) -> None:
-    for part in path[:-1]:
-        tree = tree.setdefault(part, {})
-    tree[path[-1]] = value
+def _as_pair(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def _split_packed_qkv(state: StateDict, weight_key: str, bias_key: str) -> dict:
-    """Packed ``[3 * width, width]`` q/k/v projection (timm ``qkv``, torch ``in_proj``) -> three Dense."""
+    """Packed ``[3 * width, width]`` q|k|v (timm ``qkv``, torch ``in_proj``) -> three Dense dicts."""
     weight = _take(state, "", weight_key)
     bias = _take(state, "", bias_key, required=False)
     if bias is None:
         raise ValueError(
             f"state dict has no {bias_key!r}: attnjax's MultiHeadAttention has q/k/v biases "
-            "(timm qkv_bias=False is not supported)"
+            "(timm's qkv_bias=False is not supported)"
         )
     width = weight.shape[1]
     if weight.shape != (3 * width, width):
         raise ValueError(f"{weight_key}: expected shape [3 * {width}, {width}], got {weight.shape}")
+    rows = [slice(i * width, (i + 1) * width) for i in range(3)]
     return {
-        name: {"kernel": weight[i * width:(i + 1) * width].T, "bias": bias[i * width:(i + 1) * width]}
-        for i, name in enumerate(("query", "key", "value"))
+        name: {"kernel": weight[part].T, "bias": bias[part]}
+        for name, part in zip(("query", "key", "value"), rows)
     }
 
 
 def _conv_patch_kernel(weight: np.ndarray) -> np.ndarray:
-    """Conv2d weight ``[width, C, ph, pw]`` -> ``patch_embed.kernel [ph * pw * C, width]`` (pixels (row, col, C))."""
+    """Conv2d weight ``[width, C, ph, pw]`` -> ``patch_embed.kernel [ph * pw * C, width]``."""
     width, channels, ph, pw = weight.shape
     return weight.transpose(2, 3, 1, 0).reshape(ph * pw * channels, width)
 
 
-def _vit_blocks(state: StateDict, prefix: str, depth: int, table, packed_qkv) -> dict:
+def _vit_blocks(state: StateDict, prefix: str, table, packed_qkv: tuple) -> dict:
+    """``{prefix}.N.*`` for every N -> ``{"blocks_N": ...}`` by ``table`` plus the packed q|k|v."""
+    indices = {int(key.split(".")[1]) for key in state if key.startswith(prefix + ".")}
+    if not indices:
+        raise ValueError(f"state dict has no {prefix}.N.* keys; is it a ViT?")
     params = {}
-    for layer in range(depth):
-        block: dict = {}
+    for layer in range(max(indices) + 1):
         base = f"{prefix}.{layer}"
-        attn = _split_packed_qkv(state, f"{base}.{packed_qkv[0]}", f"{base}.{packed_qkv[1]}")
-        block["attn"] = attn
+        block = {"attn": _split_packed_qkv(state, f"{base}.{packed_qkv[0]}", f"{base}.{packed_qkv[1]}")}
         for torch_name, path, convert in table:
-            _set_path(block, path, convert(state, f"{base}.{torch_name}"))
+            node = block
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = convert(state, f"{base}.{torch_name}")
         params[f"blocks_{layer}"] = block
     return params
 
 
-def _count_layers(state: StateDict, prefix: str) -> int:
-    indices = {int(key.split(".")[1]) for key in state if key.startswith(prefix + ".")}
-    if not indices:
-        raise ValueError(f"state dict has no {prefix}.N.* keys; is it a ViT?")
-    return max(indices) + 1
-
-
-def _grid_from_tokens(tokens: int, prefix_tokens: int, where: str) -> int:
+def _square_grid(tokens: int, prefix_tokens: int, where: str) -> tuple[int, int]:
     side = math.isqrt(max(tokens - prefix_tokens, 0))
-    if side * side != tokens - prefix_tokens or side == 0:
+    if side == 0 or side * side != tokens - prefix_tokens:
         raise ValueError(
-            f"{where}: a position table of {tokens} tokens is not {prefix_tokens} prefix token(s) plus "
-            "a square grid; pass image_size=(H, W)"
+            f"{where}: a position table of {tokens} tokens is not {prefix_tokens} prefix "
+            "token(s) plus a square grid"
         )
-    return side
+    return side, side
 
 
-def _build_vit(config: dict, params: dict, grid: tuple, where: str):
-    """``create_vit(**config)`` plus ``params`` (per-layer layout) checked against the module's own
-    ``init`` shapes; stacked for ``scan_layers``. Returns ``(model, {"params": ...})``."""
+def _finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: str):
+    """Apply ``overrides`` to the checkpoint's ``config`` and build ``(ViT, {"params": ...})``.
+
+    An ``image_size`` other than the checkpoint's resamples a learned position table (bicubic,
+    fine-tuning at a new resolution); ``scan_layers=True`` stacks the blocks. The parameters are
+    checked against the module's own ``init`` shapes.
+    """
     import jax
     import jax.numpy as jnp
 
+    from attnjax.positional import resize_position_embedding
     from attnjax.vit import create_vit, stack_block_params
 
+    patch = _as_pair(config["patch_size"])
+    config = {**config, "image_size": (grid[0] * patch[0], grid[1] * patch[1]), **overrides}
+    size = _as_pair(config["image_size"])
+    if size[0] % patch[0] or size[1] % patch[1]:
+        raise ValueError(f"{where}: image_size {size} is not divisible by patch_size {patch}")
+    new_grid = (size[0] // patch[0], size[1] // patch[1])
+    if new_grid != tuple(grid) and "pos_embed" in params:
+        table = params["pos_embed"]["pos_embedding"]
+        prefix = table.shape[1] - grid[0] * grid[1]
+        table = resize_position_embedding(table, new_grid, num_prefix_tokens=prefix, old_grid_hw=grid)
+        params = {**params, "pos_embed": {"pos_embedding": np.asarray(table)}}
     model = create_vit(**config)
     if model.scan_layers:
         params = stack_block_params(params)
-    ph, pw = model.patch_size if isinstance(model.patch_size, (tuple, list)) else (model.patch_size,) * 2
-    images = jax.ShapeDtypeStruct((1, grid[0] * ph, grid[1] * pw, model.in_channels), jnp.float32)
-    expected = jax.eval_shape(model.init, jax.random.key(0), images)["params"]
-    got = jax.tree.map(lambda x: x.shape, params)
-    want = jax.tree.map(lambda x: x.shape, expected)
-    if got != want:
-        raise ValueError(f"{where}: converted parameters do not fit {model}:\n  got  {got}\n  want {want}")
-    params = jax.tree.map(lambda x, e: jnp.asarray(x, dtype=e.dtype), params, expected)
+    params = jax.tree.map(lambda leaf: jnp.asarray(leaf, model.param_dtype), params)
+    _check_against_init(model, {"params": params}, jnp.zeros((1, *size, model.in_channels)), where)
     return model, {"params": params}
 
 
-_TIMM_VIT_BLOCK_TABLE = (  # timm key under ``blocks.N.`` -> Flax path under ``blocks_N``
+# timm key under ``blocks.N.`` -> Flax path under ``blocks_N`` (plus the packed ``attn.qkv``)
+_TIMM_VIT_BLOCK_TABLE = (
     ("norm1", ("norm1",), layer_norm),
     ("attn.proj", ("attn", "out"), linear),
     ("norm2", ("norm2",), layer_norm),
@@ -561,7 +569,9 @@ def _timm_module_config(model) -> dict:
     """The ViT fields a timm ``VisionTransformer`` instance knows but its state dict does not."""
     pool = {"token": "cls", "avg": "gap"}.get(model.global_pool)
     if pool is None:
-        raise ValueError(f"vit_from_timm: global_pool={model.global_pool!r} unsupported; expected 'token' or 'avg'")
+        raise ValueError(
+            f"vit_from_timm: global_pool={model.global_pool!r} unsupported; expected 'token' or 'avg'"
+        )
     act = model.blocks[0].mlp.act
     if type(act).__name__ != "GELU" or getattr(act, "approximate", "none") != "none":
         raise ValueError(f"vit_from_timm: MLP activation {act} unsupported; expected exact nn.GELU()")
@@ -579,17 +589,17 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
 
     ``flax_module.apply(variables, images_nhwc)`` equals timm's ``model(images_nchw)`` in eval mode.
     Key table (timm -> attnjax): ``patch_embed.proj`` (Conv2d) -> ``patch_embed`` (Dense on
-    ``(row, col, C)``-flattened patches), ``cls_token``, ``pos_embed`` -> ``pos_embed/pos_embedding``,
-    ``blocks.N.attn.qkv`` (packed, q|k|v) -> ``blocks_N/attn/{query,key,value}``, ``attn.proj`` ->
-    ``attn/out``, ``norm1``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``, ``norm``, ``fc_norm``, ``head``.
+    ``(row, col, C)``-flattened patches); ``cls_token``; ``pos_embed`` -> ``pos_embed/pos_embedding``;
+    ``blocks.N.attn.qkv`` (packed q|k|v) -> ``blocks_N/attn/{query, key, value}``; ``attn.proj`` ->
+    ``attn/out``; ``norm1``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``, ``norm``, ``fc_norm``, ``head``.
 
-    From a module, the config (heads, pooling, LayerNorm eps, image size) is read from it. From a
-    state dict (``torch.save`` or ``.safetensors`` file, loaded without unpickling code), sizes
-    come from the tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when
-    ``fc_norm`` weights exist, and the grid is square unless ``image_size`` is passed.
-    ``overrides`` are further ``ViT`` fields (``scan_layers``, ``remat``, ``dtype``, dropouts...).
-    Parts attnjax's ViT does not have (register tokens, LayerScale, qk-norm, pre-norm, attention
-    pooling) leave unread keys and raise ``ValueError``.
+    From a module, heads, pooling, LayerNorm eps and image size are read from it. From a state dict
+    (``torch.save`` or ``.safetensors`` file, loaded without unpickling code) the sizes come from the
+    tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when ``fc_norm``
+    weights exist, and the grid is square. ``overrides`` are further ``ViT`` fields
+    (``scan_layers``, ``remat``, ``dtype``, dropouts, a new ``image_size``...). Parts attnjax's ViT
+    does not have (register tokens, LayerScale, qk-norm, pre-norm, attention pooling) leave keys
+    unread and raise ``ValueError``.
     """
     config: dict = {}
     if hasattr(model_or_state_dict, "patch_embed") and hasattr(model_or_state_dict, "blocks"):
@@ -597,74 +607,57 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
     if num_heads is not None:
         config["num_heads"] = num_heads
     if "num_heads" not in config:
-        raise ValueError("vit_from_timm: a state dict does not record the number of heads; pass num_heads=")
+        raise ValueError(
+            "vit_from_timm: a state dict does not record the number of heads; pass num_heads="
+        )
     state = _RecordingState(load_state_dict(model_or_state_dict))
     patch_weight = _take(state, "patch_embed.proj", "weight")
     width, channels, ph, pw = patch_weight.shape
     class_token = "cls_token" in state
-    params = {"patch_embed": {"kernel": _conv_patch_kernel(patch_weight), "bias": _take(state, "patch_embed.proj", "bias")}}
+    fc_norm = "fc_norm.weight" in state
+    params = {
+        "patch_embed": {
+            "kernel": _conv_patch_kernel(patch_weight),
+            "bias": _take(state, "patch_embed.proj", "bias"),
+        },
+        "pos_embed": {"pos_embedding": _take(state, "", "pos_embed")},
+        "fc_norm" if fc_norm else "norm": layer_norm(state, "fc_norm" if fc_norm else "norm"),
+        **_vit_blocks(state, "blocks", _TIMM_VIT_BLOCK_TABLE, ("attn.qkv.weight", "attn.qkv.bias")),
+    }
     if class_token:
         params["cls_token"] = _take(state, "", "cls_token")
-    depth = _count_layers(state, "blocks")
-    params.update(_vit_blocks(state, "blocks", depth, _TIMM_VIT_BLOCK_TABLE, ("attn.qkv.weight", "attn.qkv.bias")))
-    fc_norm = "fc_norm.weight" in state
-    params["fc_norm" if fc_norm else "norm"] = layer_norm(state, "fc_norm" if fc_norm else "norm")
-    num_classes = 0
     if "head.weight" in state:
         params["head"] = linear(state, "head")
-        num_classes = params["head"]["kernel"].shape[1]
-    config = {
-        "pool": "gap" if fc_norm else "cls",
-        **config,
-        "patch_size": (ph, pw),
-        "width": width,
-        "depth": depth,
-        "mlp_dim": params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
-        "in_channels": channels,
-        "num_classes": num_classes,
-        "class_token": class_token,
-        "fc_norm": fc_norm,
-    }
-    prefix_tokens = int(class_token)
-    pos_embed = _take(state, "", "pos_embed")
-    tokens = pos_embed.shape[1]
-    if "image_size" in config:
-        grid = (config["image_size"][0] // ph, config["image_size"][1] // pw)
-    else:
-        square = math.isqrt(tokens)
-        side = square if square * square == tokens else _grid_from_tokens(tokens, prefix_tokens, "vit_from_timm")
-        grid = (side, side)
-    config["no_embed_class"] = class_token and tokens == grid[0] * grid[1]
-    params["pos_embed"] = {"pos_embedding": pos_embed}
-    config.setdefault("layer_norm_eps", 1e-6)
     unread = state.unread()
     if unread:
         raise ValueError(f"vit_from_timm: unsupported timm ViT parts, keys not converted: {unread[:8]}")
+
+    tokens = params["pos_embed"]["pos_embedding"].shape[1]
+    if "image_size" in config:
+        grid = (config["image_size"][0] // ph, config["image_size"][1] // pw)
+    elif math.isqrt(tokens) ** 2 == tokens:  # no position for the class token (or no class token)
+        grid = _square_grid(tokens, 0, "vit_from_timm")
+    else:
+        grid = _square_grid(tokens, int(class_token), "vit_from_timm")
+    config = {
+        "pool": "gap" if fc_norm else "cls",
+        "layer_norm_eps": 1e-6,
+        **config,
+        "patch_size": (ph, pw),
+        "width": width,
+        "depth": sum(key.startswith("blocks_") for key in params),
+        "mlp_dim": params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
+        "in_channels": channels,
+        "num_classes": params["head"]["kernel"].shape[1] if "head" in params else 0,
+        "class_token": class_token,
+        "no_embed_class": class_token and tokens == grid[0] * grid[1],
+        "fc_norm": fc_norm,
+    }
     return _finish_vit(config, overrides, params, grid, "vit_from_timm")
 
 
-def _finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: str):
-    """Apply ``overrides``; a new ``image_size`` resamples a learned position table (bicubic, as
-    for fine-tuning at a new resolution); then build and check the model."""
-    from attnjax.positional import resize_position_embedding
-
-    config = dict(config)
-    patch = config["patch_size"] if isinstance(config["patch_size"], (tuple, list)) else (config["patch_size"],) * 2
-    config["image_size"] = (grid[0] * patch[0], grid[1] * patch[1])
-    config.update(overrides)
-    size = config["image_size"] if isinstance(config["image_size"], (tuple, list)) else (config["image_size"],) * 2
-    if size[0] % patch[0] or size[1] % patch[1]:
-        raise ValueError(f"{where}: image_size {tuple(size)} is not divisible by patch_size {tuple(patch)}")
-    new_grid = (size[0] // patch[0], size[1] // patch[1])
-    if new_grid != tuple(grid) and "pos_embed" in params:
-        table = params["pos_embed"]["pos_embedding"]
-        prefix = table.shape[1] - grid[0] * grid[1]
-        resized = resize_position_embedding(table, new_grid, num_prefix_tokens=prefix, old_grid_hw=grid)
-        params = {**params, "pos_embed": {"pos_embedding": np.asarray(resized)}}
-    return _build_vit(config, params, new_grid, where)
-
-
-_SEED_VIT_BLOCK_TABLE = (  # seed key under ``transformer_blocks.N.`` -> Flax path under ``blocks_N``
+# seed key under ``transformer_blocks.N.`` -> Flax path under ``blocks_N`` (plus ``in_proj``)
+_SEED_VIT_BLOCK_TABLE = (
     ("norm1", ("norm1",), layer_norm),
     ("attention.out_proj", ("attn", "out"), linear),
     ("norm2", ("norm2",), layer_norm),
@@ -673,26 +666,29 @@ _SEED_VIT_BLOCK_TABLE = (  # seed key under ``transformer_blocks.N.`` -> Flax pa
 )
 
 
-def vit_from_seed_layout(model_or_state_dict, *, num_heads: int | None = None, in_channels: int = 3, **overrides):
+def vit_from_seed_layout(
+    model_or_state_dict, *, num_heads: int | None = None, in_channels: int = 3, **overrides
+):
     """The study notes' PyTorch ``VisionTransformer`` (seed 000) -> ``(ViT, variables)``.
 
     Its layout: ``patch_embed`` (Linear on patches flattened ``(C, row, col)``, reordered here to
     attnjax's ``(row, col, C)``), ``cls_token``, ``pos_embed [1, 1 + N, width]``,
     ``transformer_blocks.N.{norm1, attention (nn.MultiheadAttention: packed in_proj_weight/bias,
     out_proj), norm2, ffn.linear1, ffn.linear2}``, ``norm``, ``head``; LayerNorm eps is torch's
-    1e-5. From a module, ``num_heads``/eps/patch size are read from it; from a state dict pass
+    1e-5. From a module, ``num_heads`` and eps are read from it; from a state dict pass
     ``num_heads`` (and ``in_channels`` if not 3). Dropouts are 0 unless overridden: the converted
-    model is for inference or fine-tuning with the caller's own settings.
+    model is for inference, or for fine-tuning with the caller's own settings.
     """
-    config: dict = {"layer_norm_eps": 1e-5}
+    config: dict = {"layer_norm_eps": 1e-5, "pool": "cls"}
     if hasattr(model_or_state_dict, "transformer_blocks"):
-        module = model_or_state_dict
-        config["num_heads"] = module.transformer_blocks[0].attention.num_heads
-        config["layer_norm_eps"] = float(module.norm.eps)
+        config["num_heads"] = model_or_state_dict.transformer_blocks[0].attention.num_heads
+        config["layer_norm_eps"] = float(model_or_state_dict.norm.eps)
     if num_heads is not None:
         config["num_heads"] = num_heads
     if "num_heads" not in config:
-        raise ValueError("vit_from_seed_layout: a state dict does not record the number of heads; pass num_heads=")
+        raise ValueError(
+            "vit_from_seed_layout: a state dict does not record the number of heads; pass num_heads="
+        )
     state = _RecordingState(load_state_dict(model_or_state_dict))
     weight = _take(state, "patch_embed", "weight")
     width, patch_dim = weight.shape
@@ -702,10 +698,11 @@ def vit_from_seed_layout(model_or_state_dict, *, num_heads: int | None = None, i
             f"vit_from_seed_layout: patch_embed.weight of shape {weight.shape} is not in_channels="
             f"{in_channels} times a square patch; pass in_channels"
         )
-    conv_weight = weight.reshape(width, in_channels, patch, patch)
-    depth = _count_layers(state, "transformer_blocks")
     params = {
-        "patch_embed": {"kernel": _conv_patch_kernel(conv_weight), "bias": _take(state, "patch_embed", "bias")},
+        "patch_embed": {
+            "kernel": _conv_patch_kernel(weight.reshape(width, in_channels, patch, patch)),
+            "bias": _take(state, "patch_embed", "bias"),
+        },
         "cls_token": _take(state, "", "cls_token"),
         "pos_embed": {"pos_embedding": _take(state, "", "pos_embed")},
         "norm": layer_norm(state, "norm"),
@@ -713,78 +710,95 @@ def vit_from_seed_layout(model_or_state_dict, *, num_heads: int | None = None, i
         **_vit_blocks(
             state,
             "transformer_blocks",
-            depth,
             _SEED_VIT_BLOCK_TABLE,
             ("attention.in_proj_weight", "attention.in_proj_bias"),
         ),
     }
-    side = _grid_from_tokens(params["pos_embed"]["pos_embedding"].shape[1], 1, "vit_from_seed_layout")
     unread = state.unread()
     if unread:
-        raise ValueError(f"vit_from_seed_layout: keys not converted (not the seed layout?): {unread[:8]}")
+        raise ValueError(
+            f"vit_from_seed_layout: keys not converted (not the seed layout?): {unread[:8]}"
+        )
     config.update(
         patch_size=patch,
         width=width,
-        depth=depth,
+        depth=sum(key.startswith("blocks_") for key in params),
         mlp_dim=params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
         in_channels=in_channels,
         num_classes=params["head"]["kernel"].shape[1],
-        image_size=side * patch,
-        pool="cls",
     )
-    return _finish_vit(config, overrides, params, (side, side), "vit_from_seed_layout")
+    grid = _square_grid(params["pos_embed"]["pos_embedding"].shape[1], 1, "vit_from_seed_layout")
+    return _finish_vit(config, overrides, params, grid, "vit_from_seed_layout")
 
 
-# Google ViT .npz checkpoints. Two layouts, all keys "/"-joined Flax paths, optionally under a
-# "params/" or "opt/target/" prefix:
+# Google ViT .npz checkpoints: "/"-joined Flax paths, optionally under "params/" or "opt/target/".
 #
-#   vision_transformer (github.com/google-research/vision_transformer, the published ImageNet files)
+#   vision_transformer (github.com/google-research/vision_transformer: the published ImageNet files)
 #     embedding/kernel [ph, pw, C, width], embedding/bias [width]
 #     cls [1, 1, width]
-#     Transformer/posembed_input/pos_embedding [1, 1 + gh * gw, width]     (covers the class token)
-#     Transformer/encoderblock_N/LayerNorm_0/{scale, bias}                  (norm1)
+#     Transformer/posembed_input/pos_embedding [1, 1 + gh * gw, width]   (covers the class token)
+#     Transformer/encoderblock_N/LayerNorm_0/{scale, bias}                (norm1)
 #     Transformer/encoderblock_N/MultiHeadDotProductAttention_1/{query, key, value}/kernel
-#         [width, heads, head_dim], .../bias [heads, head_dim]; .../out/kernel [heads, head_dim,
-#         width], .../out/bias [width]
-#     Transformer/encoderblock_N/LayerNorm_2/{scale, bias}                  (norm2)
-#     Transformer/encoderblock_N/MlpBlock_3/Dense_{0, 1}/{kernel, bias}     (fc1, fc2)
+#         [width, heads, head_dim] and .../bias [heads, head_dim];
+#         .../out/kernel [heads, head_dim, width], .../out/bias [width]
+#     Transformer/encoderblock_N/LayerNorm_2/{scale, bias}                (norm2)
+#     Transformer/encoderblock_N/MlpBlock_3/Dense_{0, 1}/{kernel, bias}   (fc1, fc2)
 #     Transformer/encoder_norm/{scale, bias}
-#     pre_logits/{kernel, bias}                                             (optional, + tanh)
-#     head/{kernel, bias}                                                   (optional)
+#     pre_logits/{kernel, bias}                                           (optional, + tanh)
+#     head/{kernel, bias}                                                 (optional)
 #   big_vision (github.com/google-research/big_vision, models/vit.py)
-#     as above, but pos_embedding [1, gh * gw, width] at the top level (patch tokens only; the
+#     as above, but pos_embedding [1, gh * gw, width] at the top level (patch tokens only: a
 #     class token "cls", if any, is concatenated after it), block sub-modules LayerNorm_0,
 #     MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0, and either encoderblock_N or one
 #     scanned Transformer/encoderblock with a leading [depth] axis on every leaf.
 # LayerNorm eps is Flax's 1e-6. Without "cls" the model pools by averaging ("gap").
 _NPZ_LAYOUTS = {
-    "vision_transformer": dict(norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_1", norm2="LayerNorm_2", mlp="MlpBlock_3"),
-    "big_vision": dict(norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_0", norm2="LayerNorm_1", mlp="MlpBlock_0"),
+    "vision_transformer": dict(
+        norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_1", norm2="LayerNorm_2", mlp="MlpBlock_3"
+    ),
+    "big_vision": dict(
+        norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_0", norm2="LayerNorm_1", mlp="MlpBlock_0"
+    ),
 }
 
 
+def _map_leaves(fn, tree: dict) -> dict:
+    return {k: _map_leaves(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
 def _npz_block_to_flax(get, names: dict) -> dict:
-    """One encoder block's npz arrays (``get(relative_key)``) -> attnjax block params (leaves may
-    carry a leading ``[depth]`` axis: the reshapes keep leading axes)."""
+    """One encoder block's arrays (``get(relative key)``) -> attnjax block params. Reshapes keep
+    leading axes, so a scanned block with a ``[depth]`` axis converts in one go."""
+    attn_prefix = names["attn"]
     attn = {}
     for name in ("query", "key", "value"):
-        kernel = get(f"{names['attn']}/{name}/kernel")  # [width, heads, head_dim]
-        bias = get(f"{names['attn']}/{name}/bias")  # [heads, head_dim]
-        attn[name] = {"kernel": kernel.reshape(*kernel.shape[:-2], -1), "bias": bias.reshape(*bias.shape[:-2], -1)}
-    out = get(f"{names['attn']}/out/kernel")  # [heads, head_dim, width]
-    attn["out"] = {"kernel": out.reshape(*out.shape[:-3], -1, out.shape[-1]), "bias": get(f"{names['attn']}/out/bias")}
-    norm = lambda n: {"scale": get(f"{names[n]}/scale"), "bias": get(f"{names[n]}/bias")}  # noqa: E731
-    dense = lambda i: {"kernel": get(f"{names['mlp']}/Dense_{i}/kernel"), "bias": get(f"{names['mlp']}/Dense_{i}/bias")}  # noqa: E731
-    return {"norm1": norm("norm1"), "attn": attn, "norm2": norm("norm2"), "mlp": {"fc1": dense(0), "fc2": dense(1)}}
+        kernel = get(f"{attn_prefix}/{name}/kernel")  # [width, heads, head_dim]
+        bias = get(f"{attn_prefix}/{name}/bias")  # [heads, head_dim]
+        attn[name] = {
+            "kernel": kernel.reshape(*kernel.shape[:-2], -1),
+            "bias": bias.reshape(*bias.shape[:-2], -1),
+        }
+    out = get(f"{attn_prefix}/out/kernel")  # [heads, head_dim, width]
+    attn["out"] = {
+        "kernel": out.reshape(*out.shape[:-3], -1, out.shape[-1]),
+        "bias": get(f"{attn_prefix}/out/bias"),
+    }
+    block = {"attn": attn, "mlp": {}}
+    for ours in ("norm1", "norm2"):
+        block[ours] = {"scale": get(f"{names[ours]}/scale"), "bias": get(f"{names[ours]}/bias")}
+    for i, ours in enumerate(("fc1", "fc2")):
+        dense = f"{names['mlp']}/Dense_{i}"
+        block["mlp"][ours] = {"kernel": get(f"{dense}/kernel"), "bias": get(f"{dense}/bias")}
+    return block
 
 
 def load_google_npz(path, **overrides):
     """A Google ViT ``.npz`` checkpoint (layouts above) -> ``(ViT, variables)``.
 
     Sizes, heads and pooling are read from the arrays; the grid is assumed square. ``overrides``
-    are ``ViT`` fields: ``image_size`` different from the checkpoint's resamples the position
-    table (fine-tuning at a new resolution), ``num_classes`` different from the checkpoint's head
-    starts a new zero head, ``scan_layers``/``remat``/``dtype``/dropouts as usual.
+    are ``ViT`` fields: an ``image_size`` other than the checkpoint's resamples the position table
+    (fine-tuning at a new resolution), a ``num_classes`` other than the checkpoint's head starts a
+    new zero head, and ``scan_layers``/``remat``/``dtype``/dropouts apply as usual.
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -793,56 +807,63 @@ def load_google_npz(path, **overrides):
         arrays = {key: archive[key] for key in archive.files}
     prefix = next((p for p in ("", "params/", "opt/target/") if f"{p}embedding/kernel" in arrays), None)
     if prefix is None:
-        raise ValueError(f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; not a Google ViT checkpoint")
+        raise ValueError(
+            f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; not a Google ViT checkpoint"
+        )
     read: set = set()
 
+    def has(key):
+        return prefix + key in arrays
+
     def get(key):
-        read.add(prefix + key)
-        if prefix + key not in arrays:
+        if not has(key):
             raise ValueError(f"load_google_npz: {str(path)!r} has no array {prefix + key!r}")
+        read.add(prefix + key)
         return arrays[prefix + key]
 
-    has = lambda key: prefix + key in arrays  # noqa: E731
-    big_vision = has("pos_embedding") or has("Transformer/encoderblock/LayerNorm_0/scale") or has(
-        "Transformer/encoderblock_0/MultiHeadDotProductAttention_0/query/kernel"
-    )
+    scanned = has("Transformer/encoderblock/LayerNorm_0/scale")
+    big_vision = scanned or has("pos_embedding")
     names = _NPZ_LAYOUTS["big_vision" if big_vision else "vision_transformer"]
     kernel = get("embedding/kernel")
     ph, pw, channels, width = kernel.shape
-    params = {"patch_embed": {"kernel": kernel.reshape(-1, width), "bias": get("embedding/bias")}}
     class_token = has("cls")
+    posemb_key = "pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding"
+    params = {
+        "patch_embed": {"kernel": kernel.reshape(-1, width), "bias": get("embedding/bias")},
+        "norm": {
+            "scale": get("Transformer/encoder_norm/scale"),
+            "bias": get("Transformer/encoder_norm/bias"),
+        },
+        "pos_embed": {"pos_embedding": get(posemb_key)},
+    }
     if class_token:
         params["cls_token"] = get("cls")
-    scanned = has("Transformer/encoderblock/LayerNorm_0/scale")
     if scanned:
         stacked = _npz_block_to_flax(lambda key: get(f"Transformer/encoderblock/{key}"), names)
         depth = len(stacked["norm1"]["scale"])
         for layer in range(depth):
             params[f"blocks_{layer}"] = _map_leaves(lambda leaf: leaf[layer], stacked)
+        first_block = "Transformer/encoderblock/"
     else:
-        depth = len({k.split("/")[1] for k in arrays if k.startswith(prefix + "Transformer/encoderblock_")})
+        block_prefix = f"{prefix}Transformer/encoderblock_"
+        depth = len({k[len(block_prefix):].split("/")[0] for k in arrays if k.startswith(block_prefix)})
         for layer in range(depth):
-            params[f"blocks_{layer}"] = _npz_block_to_flax(lambda key: get(f"Transformer/encoderblock_{layer}/{key}"), names)
+            block = f"Transformer/encoderblock_{layer}"
+            params[f"blocks_{layer}"] = _npz_block_to_flax(lambda key: get(f"{block}/{key}"), names)
+        first_block = "Transformer/encoderblock_0/"
     if depth == 0:
         raise ValueError(f"load_google_npz: {str(path)!r} has no Transformer/encoderblock arrays")
-    first_block = "Transformer/encoderblock/" if scanned else "Transformer/encoderblock_0/"
-    heads = arrays[f"{prefix}{first_block}{names['attn']}/query/bias"].shape[-2]
-    params["norm"] = {"scale": get("Transformer/encoder_norm/scale"), "bias": get("Transformer/encoder_norm/bias")}
-    pos_embed = get("pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding")
-    params["pos_embed"] = {"pos_embedding": pos_embed}
-    no_embed_class = big_vision and class_token
-    side = _grid_from_tokens(pos_embed.shape[1], int(class_token and not no_embed_class), "load_google_npz")
     config = dict(
         patch_size=(ph, pw),
         width=width,
         depth=depth,
-        num_heads=heads,
+        num_heads=arrays[f"{prefix}{first_block}{names['attn']}/query/bias"].shape[-2],
         mlp_dim=params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
         in_channels=channels,
         num_classes=0,
         pool="cls" if class_token else "gap",
         class_token=class_token,
-        no_embed_class=no_embed_class,
+        no_embed_class=big_vision and class_token,
         fc_norm=False,
         layer_norm_eps=1e-6,
     )
@@ -851,23 +872,21 @@ def load_google_npz(path, **overrides):
         config["representation_size"] = params["pre_logits"]["kernel"].shape[1]
     if has("head/kernel"):
         head = {"kernel": get("head/kernel"), "bias": get("head/bias")}
-        config["num_classes"] = head["kernel"].shape[1]
-        if overrides.get("num_classes", config["num_classes"]) == config["num_classes"]:
+        features, config["num_classes"] = head["kernel"].shape
+        new_classes = overrides.get("num_classes", config["num_classes"])
+        if new_classes == config["num_classes"]:
             params["head"] = head
-        elif overrides["num_classes"]:
-            features = head["kernel"].shape[0]
+        elif new_classes:
             params["head"] = {
-                "kernel": np.zeros((features, overrides["num_classes"]), np.float32),
-                "bias": np.zeros((overrides["num_classes"],), np.float32),
+                "kernel": np.zeros((features, new_classes), np.float32),
+                "bias": np.zeros((new_classes,), np.float32),
             }
     unread = sorted(set(arrays) - read)
     if unread:
         raise ValueError(f"load_google_npz: arrays not converted (unsupported parts): {unread[:8]}")
-    return _finish_vit(config, overrides, params, (side, side), "load_google_npz")
-
-
-def _map_leaves(fn, tree: dict) -> dict:
-    return {k: _map_leaves(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+    prefix_tokens = int(class_token and not big_vision)
+    grid = _square_grid(params["pos_embed"]["pos_embedding"].shape[1], prefix_tokens, "load_google_npz")
+    return _finish_vit(config, overrides, params, grid, "load_google_npz")
 
 
 def save_google_npz(path, model, variables, layout: str = "vision_transformer") -> pathlib.Path:
@@ -875,35 +894,36 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
 
     "vision_transformer" needs the position table to cover the class token (or no class token);
     "big_vision" needs it to cover only the patches (``no_embed_class=True``) and is written
-    scanned (one ``Transformer/encoderblock`` with a leading ``[depth]`` axis) when the model
-    uses ``scan_layers``. Either needs learned position embeddings and no ``fc_norm``.
+    scanned (one ``Transformer/encoderblock`` with a leading ``[depth]`` axis) when the model uses
+    ``scan_layers``. Either needs learned position embeddings and no ``fc_norm``.
     """
     from attnjax.vit import unstack_block_params
 
     if layout not in _NPZ_LAYOUTS:
-        raise ValueError(f"save_google_npz: layout must be one of {sorted(_NPZ_LAYOUTS)}, got {layout!r}")
-    params = _map_leaves(np.asarray, dict(variables["params"]))
-    flat_blocks = unstack_block_params(params) if model.scan_layers else params
-    fc_norm = model.pool == "gap" if model.fc_norm is None else model.fc_norm
+        raise ValueError(
+            f"save_google_npz: layout must be one of {sorted(_NPZ_LAYOUTS)}, got {layout!r}"
+        )
     big_vision = layout == "big_vision"
+    fc_norm = model.pool == "gap" if model.fc_norm is None else model.fc_norm
     if model.posemb != "learn" or fc_norm or model.pool != ("cls" if model.class_token else "gap"):
         raise ValueError(
-            f"save_google_npz: needs posemb='learn', no fc_norm and pool 'cls' with a class token or "
-            f"'gap' without; got posemb={model.posemb!r}, fc_norm={fc_norm}, pool={model.pool!r}, "
-            f"class_token={model.class_token}"
+            "save_google_npz: needs posemb='learn', no fc_norm and pool 'cls' with a class token "
+            f"or 'gap' without; got posemb={model.posemb!r}, fc_norm={fc_norm}, "
+            f"pool={model.pool!r}, class_token={model.class_token}"
         )
     if model.class_token and model.no_embed_class != big_vision:
         raise ValueError(
-            f"save_google_npz: layout {layout!r} needs no_embed_class={big_vision} with a class token, "
-            f"got no_embed_class={model.no_embed_class}"
+            f"save_google_npz: layout {layout!r} needs no_embed_class={big_vision} with a class "
+            f"token, got no_embed_class={model.no_embed_class}"
         )
-    names = _NPZ_LAYOUTS[layout]
-    ph, pw = model.patch_size if isinstance(model.patch_size, (tuple, list)) else (model.patch_size,) * 2
-    heads = model.num_heads
+    names, heads = _NPZ_LAYOUTS[layout], model.num_heads
+    params = _map_leaves(np.asarray, dict(variables["params"]))
+    ph, pw = _as_pair(model.patch_size)
+    posemb_key = "pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding"
     out = {
-        "embedding/kernel": params["patch_embed"]["kernel"].reshape(ph, pw, model.in_channels, model.width),
+        "embedding/kernel": params["patch_embed"]["kernel"].reshape(ph, pw, model.in_channels, -1),
         "embedding/bias": params["patch_embed"]["bias"],
-        "pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding": params["pos_embed"]["pos_embedding"],
+        posemb_key: params["pos_embed"]["pos_embedding"],
         "Transformer/encoder_norm/scale": params["norm"]["scale"],
         "Transformer/encoder_norm/bias": params["norm"]["bias"],
     }
@@ -914,26 +934,29 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
             out[f"{name}/kernel"], out[f"{name}/bias"] = params[name]["kernel"], params[name]["bias"]
 
     def block_arrays(block: dict, base: str) -> dict:
+        attn = f"{base}/{names['attn']}"
         arrays = {}
-        for ours, theirs in (("norm1", names["norm1"]), ("norm2", names["norm2"])):
-            arrays[f"{base}/{theirs}/scale"], arrays[f"{base}/{theirs}/bias"] = block[ours]["scale"], block[ours]["bias"]
+        for ours in ("norm1", "norm2"):
+            arrays[f"{base}/{names[ours]}/scale"] = block[ours]["scale"]
+            arrays[f"{base}/{names[ours]}/bias"] = block[ours]["bias"]
         for name in ("query", "key", "value"):
             kernel, bias = block["attn"][name]["kernel"], block["attn"][name]["bias"]
-            arrays[f"{base}/{names['attn']}/{name}/kernel"] = kernel.reshape(*kernel.shape[:-1], heads, -1)
-            arrays[f"{base}/{names['attn']}/{name}/bias"] = bias.reshape(*bias.shape[:-1], heads, -1)
+            arrays[f"{attn}/{name}/kernel"] = kernel.reshape(*kernel.shape[:-1], heads, -1)
+            arrays[f"{attn}/{name}/bias"] = bias.reshape(*bias.shape[:-1], heads, -1)
         kernel = block["attn"]["out"]["kernel"]
-        arrays[f"{base}/{names['attn']}/out/kernel"] = kernel.reshape(*kernel.shape[:-2], heads, -1, kernel.shape[-1])
-        arrays[f"{base}/{names['attn']}/out/bias"] = block["attn"]["out"]["bias"]
-        for i, fc in enumerate(("fc1", "fc2")):
-            arrays[f"{base}/{names['mlp']}/Dense_{i}/kernel"] = block["mlp"][fc]["kernel"]
-            arrays[f"{base}/{names['mlp']}/Dense_{i}/bias"] = block["mlp"][fc]["bias"]
+        arrays[f"{attn}/out/kernel"] = kernel.reshape(*kernel.shape[:-2], heads, -1, kernel.shape[-1])
+        arrays[f"{attn}/out/bias"] = block["attn"]["out"]["bias"]
+        for i, ours in enumerate(("fc1", "fc2")):
+            arrays[f"{base}/{names['mlp']}/Dense_{i}/kernel"] = block["mlp"][ours]["kernel"]
+            arrays[f"{base}/{names['mlp']}/Dense_{i}/bias"] = block["mlp"][ours]["bias"]
         return arrays
 
     if big_vision and model.scan_layers:
         out.update(block_arrays(params["blocks"], "Transformer/encoderblock"))
     else:
+        per_layer = unstack_block_params(params) if model.scan_layers else params
         for layer in range(model.depth):
-            out.update(block_arrays(flat_blocks[f"blocks_{layer}"], f"Transformer/encoderblock_{layer}"))
+            out.update(block_arrays(per_layer[f"blocks_{layer}"], f"Transformer/encoderblock_{layer}"))
     path = pathlib.Path(path)
     np.savez(path, **out)
     return path

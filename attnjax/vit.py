@@ -81,7 +81,9 @@ def patchify(images, patch_size) -> Array:
     """
     ph, pw = _pair(patch_size, "patch_size", "patchify")
     if jnp.ndim(images) != 4:
-        raise ValueError(f"patchify: images must be [batch, H, W, C], got shape {jnp.shape(images)}")
+        raise ValueError(
+            f"patchify: images must be [batch, H, W, C], got shape {jnp.shape(images)}"
+        )
     batch, height, width, channels = images.shape
     if height % ph or width % pw:
         raise ValueError(
@@ -94,7 +96,7 @@ def patchify(images, patch_size) -> Array:
 
 
 def unpatchify(patches, grid_shape, patch_size, channels: int) -> Array:
-    """Inverse of ``patchify``: ``[batch, gh * gw, ph * pw * C]`` -> ``[batch, gh * ph, gw * pw, C]``."""
+    """Inverse of ``patchify``: ``[batch, gh * gw, ph * pw * C]`` -> ``[batch, H, W, C]``."""
     gh, gw = _pair(grid_shape, "grid_shape", "unpatchify")
     ph, pw = _pair(patch_size, "patch_size", "unpatchify")
     batch = patches.shape[0]
@@ -108,7 +110,7 @@ def unpatchify(patches, grid_shape, patch_size, channels: int) -> Array:
 
 
 class MlpBlock(nn.Module):
-    """``fc1 -> GELU (exact, erf) -> dropout -> fc2 -> dropout``: ``[..., width]`` -> ``[..., width]``."""
+    """``fc1 -> GELU (exact, erf) -> dropout -> fc2 -> dropout``, ``[..., width]`` -> same shape."""
 
     mlp_dim: int
     dropout_rate: float = 0.0
@@ -164,7 +166,10 @@ class EncoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x, drop_path_rate=0.0):
         norm = functools.partial(
-            nn.LayerNorm, epsilon=self.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype
+            nn.LayerNorm,
+            epsilon=self.layer_norm_eps,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
         )
         drop_path_rate = jnp.asarray(drop_path_rate, jnp.float32)
         y = norm(name="norm1")(x)
@@ -257,7 +262,9 @@ class ViT(nn.Module):
         if self.pool == "cls" and not self.class_token:
             raise ValueError("ViT: pool='cls' needs class_token=True")
         if self.posemb not in ("learn", "sincos2d", "none"):
-            raise ValueError(f"ViT: posemb must be 'learn', 'sincos2d' or 'none', got {self.posemb!r}")
+            raise ValueError(
+                f"ViT: posemb must be 'learn', 'sincos2d' or 'none', got {self.posemb!r}"
+            )
         if self.width % self.num_heads:
             raise ValueError(f"ViT: num_heads={self.num_heads} does not divide width={self.width}")
         for name in ("dropout_rate", "attention_dropout_rate", "drop_path_rate"):
@@ -296,11 +303,15 @@ class ViT(nn.Module):
         )(x)
         if self.posemb == "sincos2d":
             x = x + sincos_2d_encoding(grid_h, grid_w, self.width).astype(x.dtype)[None]
-        learned = functools.partial(LearnedPositionEmbedding, param_dtype=self.param_dtype, name="pos_embed")
+        learned = functools.partial(
+            LearnedPositionEmbedding, param_dtype=self.param_dtype, name="pos_embed"
+        )
         if self.posemb == "learn" and (self.no_embed_class or not self.class_token):
             x = learned()(x)
         if self.class_token:
-            cls = self.param("cls_token", nn.initializers.zeros, (1, 1, self.width), self.param_dtype)
+            cls = self.param(
+                "cls_token", nn.initializers.zeros, (1, 1, self.width), self.param_dtype
+            )
             cls = jnp.broadcast_to(cls.astype(x.dtype), (x.shape[0], 1, self.width))
             x = jnp.concatenate([cls, x], axis=1)
             if self.posemb == "learn" and not self.no_embed_class:
@@ -308,8 +319,8 @@ class ViT(nn.Module):
         return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
     def _encode(self, x, train: bool, return_weights: bool):
-        block = functools.partial(
-            EncoderBlock,
+        """``[batch, tokens, width]`` through the blocks -> (tokens, per-layer weights or ())."""
+        block_kwargs = dict(
             num_heads=self.num_heads,
             mlp_dim=self.mlp_dim or int(self.width * self.mlp_ratio),
             dropout_rate=self.dropout_rate,
@@ -321,30 +332,26 @@ class ViT(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
         )
-        block_cls = EncoderBlock
+        block = EncoderBlock
         if self.remat:
             # Under scan, CSE across iterations is impossible anyway; prevent_cse only costs there.
-            block_cls = nn.remat(EncoderBlock, prevent_cse=not self.scan_layers)
+            block = nn.remat(EncoderBlock, prevent_cse=not self.scan_layers)
         rates = np.linspace(0.0, self.drop_path_rate, self.depth, dtype=np.float32)
         if self.scan_layers:
             scanned = nn.scan(
-                block_cls,
+                block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=0,
                 length=self.depth,
             )
-            x, weights = functools.partial(scanned, **block.keywords)(name="blocks")(x, jnp.asarray(rates))
-            weights = tuple(weights) if return_weights else ()
-        else:
-            weights = []
-            for layer in range(self.depth):
-                x, layer_weights = functools.partial(block_cls, **block.keywords)(
-                    name=f"blocks_{layer}"
-                )(x, float(rates[layer]))
-                weights.append(layer_weights)
-            weights = tuple(weights) if return_weights else ()
-        return x, weights
+            x, weights = scanned(**block_kwargs, name="blocks")(x, jnp.asarray(rates))
+            return x, (tuple(weights) if return_weights else ())
+        weights = []
+        for layer in range(self.depth):
+            x, layer_weights = block(**block_kwargs, name=f"blocks_{layer}")(x, float(rates[layer]))
+            weights.append(layer_weights)
+        return x, (tuple(weights) if return_weights else ())
 
     @nn.compact
     def __call__(self, images, *, train: bool = False, return_aux: bool = False):
@@ -353,7 +360,10 @@ class ViT(nn.Module):
         x, attention_weights = self._encode(x, train, return_aux)
         use_fc_norm = self.pool == "gap" if self.fc_norm is None else self.fc_norm
         norm = functools.partial(
-            nn.LayerNorm, epsilon=self.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype
+            nn.LayerNorm,
+            epsilon=self.layer_norm_eps,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
         )
         if not use_fc_norm:
             x = norm(name="norm")(x)
@@ -363,7 +373,10 @@ class ViT(nn.Module):
             x = norm(name="fc_norm")(x)
         if self.representation_size is not None:
             x = nn.Dense(
-                self.representation_size, dtype=self.dtype, param_dtype=self.param_dtype, name="pre_logits"
+                self.representation_size,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="pre_logits",
             )(x)
             x = jnp.tanh(x)
         pre_logits = x
@@ -382,7 +395,7 @@ class ViT(nn.Module):
 
 
 def variant_config(variant: str) -> dict:
-    """``"S/16"``-style (``Ti``, ``S``, ``B``, ``L``, ``H`` / any patch size) or a named variant -> ViT kwargs."""
+    """ViT kwargs of a named variant ("cifar") or of ``"<size>/<patch>"`` (Ti, S, B, L, H)."""
     if not isinstance(variant, str):
         raise ValueError(f"create_vit: variant must be a string such as 'S/16', got {variant!r}")
     if variant in _NAMED:
@@ -397,7 +410,7 @@ def variant_config(variant: str) -> dict:
 
 
 def create_vit(variant: str | None = None, **overrides) -> ViT:
-    """A ``ViT`` from a variant string (``"cifar"``, ``"Ti/16"``, ``"S/16"``, ``"B/32"``, ...) and/or fields.
+    """A ``ViT`` from a variant (``"cifar"``, ``"Ti/16"``, ``"S/16"``, ``"B/32"``...) and/or fields.
 
     ``overrides`` are ``ViT`` fields and win over the variant's values, e.g.
     ``create_vit("S/16", num_classes=10, image_size=32, patch_size=4)``.
@@ -406,7 +419,9 @@ def create_vit(variant: str | None = None, **overrides) -> ViT:
     fields = {f.name for f in dataclasses.fields(ViT)} - {"parent", "name"}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"create_vit: unknown ViT field(s) {unknown}; valid fields are {sorted(fields)}")
+        raise ValueError(
+            f"create_vit: unknown ViT field(s) {unknown}; valid fields are {sorted(fields)}"
+        )
     config.update(overrides)
     return ViT(**config)
 
@@ -466,19 +481,20 @@ def attention_rollout(
     Returns:
       ``[batch, grid_h, grid_w]`` non-negative weights.
     """
-    weights = jnp.stack(list(attention_weights)) if not hasattr(attention_weights, "ndim") else attention_weights
-    weights = jnp.asarray(weights, jnp.float32)
+    if not hasattr(attention_weights, "ndim"):
+        attention_weights = jnp.stack(list(attention_weights))
+    weights = jnp.asarray(attention_weights, jnp.float32)
     grid_h, grid_w = _pair(grid_shape, "grid_shape", "attention_rollout")
     if weights.ndim != 5 or weights.shape[-1] != weights.shape[-2]:
         raise ValueError(
-            "attention_rollout: attention_weights must be per-layer [batch, heads, tokens, tokens], "
-            f"got stacked shape {weights.shape}"
+            "attention_rollout: attention_weights must be per-layer [batch, heads, tokens, "
+            f"tokens], got stacked shape {weights.shape}"
         )
     tokens = weights.shape[-1]
     if tokens != num_prefix_tokens + grid_h * grid_w:
         raise ValueError(
-            f"attention_rollout: {tokens} tokens do not match num_prefix_tokens={num_prefix_tokens} "
-            f"+ grid {grid_h}x{grid_w}"
+            f"attention_rollout: {tokens} tokens do not match "
+            f"num_prefix_tokens={num_prefix_tokens} + grid {grid_h}x{grid_w}"
         )
     identity = jnp.eye(tokens, dtype=jnp.float32)
     mixed = (1.0 - residual_weight) * weights.mean(axis=2) + residual_weight * identity
@@ -506,8 +522,8 @@ def plot_attention_maps(images, heatmaps, path, *, titles: Sequence[str] | None 
     heatmaps = np.asarray(heatmaps, dtype=np.float32)
     if images.ndim != 4 or heatmaps.ndim != 3 or len(images) != len(heatmaps):
         raise ValueError(
-            f"plot_attention_maps: expected images [n, H, W, C] and heatmaps [n, gh, gw], got shapes "
-            f"{images.shape} and {heatmaps.shape}"
+            "plot_attention_maps: expected images [n, H, W, C] and heatmaps [n, gh, gw], got "
+            f"shapes {images.shape} and {heatmaps.shape}"
         )
     n = len(images)
     fig, axes = plt.subplots(2, n, figsize=(2 * n, 4.2), squeeze=False)
@@ -520,7 +536,9 @@ def plot_attention_maps(images, heatmaps, path, *, titles: Sequence[str] | None 
         extent = (0, images.shape[2], images.shape[1], 0)
         axes[0, i].imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent)
         axes[1, i].imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent)
-        axes[1, i].imshow(heat, cmap="inferno", alpha=alpha, extent=extent, interpolation="bilinear")
+        axes[1, i].imshow(
+            heat, cmap="inferno", alpha=alpha, extent=extent, interpolation="bilinear"
+        )
         if titles is not None:
             axes[0, i].set_title(str(titles[i]), fontsize=9)
         for ax in axes[:, i]:

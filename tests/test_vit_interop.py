@@ -154,6 +154,17 @@ def test_google_npz_round_trip(tmp_path, layout, timm_kwargs, scan):
     _write_and_check_timm_reads_it(path, loaded, loaded_variables, timm_kwargs, images)
 
 
+def test_google_npz_with_params_prefix(tmp_path):
+    model, variables = torch_interop.vit_from_timm(_timm_vit(depth=3))
+    path = torch_interop.save_google_npz(tmp_path / "vit.npz", model, variables)
+    with np.load(path) as archive:
+        np.savez(tmp_path / "prefixed.npz", **{f"params/{k}": archive[k] for k in archive.files})
+    loaded, loaded_variables = torch_interop.load_google_npz(tmp_path / "prefixed.npz")
+    assert loaded.depth == 3
+    images = _images(2, 16, seed=5)
+    assert_close(_logits(loaded, loaded_variables, images), _logits(model, variables, images), what="prefixed")
+
+
 def test_google_npz_fine_tuning_overrides(tmp_path):
     model, variables = torch_interop.vit_from_timm(_timm_vit())
     path = torch_interop.save_google_npz(tmp_path / "vit.npz", model, variables)
