@@ -1,0 +1,312 @@
+"""VQGAN training: taming's autoencoder + PatchGAN objective, two Adam optimisers in one step.
+
+Batches: ``{"image": float32 [batch, H, W, C], "label": ...}`` normalised with
+``config.data.mean/std`` (``0.5/0.5`` gives taming's [-1, 1]); eval batches add ``"mask"``.
+
+Train state: ``params = {"autoencoder", "discriminator", "vq_state"}``: ``vq_state`` is the
+quantizer's non-trained state (EMA codebook, per-code usage), kept with the params so that
+``checkpoint.load`` returns everything inference needs (``inference_model``). Each step:
+
+1. autoencoder update: ``vqgan_loss.generator_loss`` (L1 + LPIPS, codebook loss, and from
+   ``config.loss.disc_start`` on the adversarial term with taming's adaptive weight); before
+   ``disc_start`` the discriminator is not even run (``lax.cond``), so the early steps cost
+   what a plain autoencoder costs;
+2. discriminator update on the same reconstructions (taming recomputes them with the updated
+   autoencoder; one forward pass less here), also gated by ``disc_start``;
+3. dead-code re-seeding (``vqgan.reseed_dead_codes``) when ``config.reseed_threshold > 0``.
+
+Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, ``model.beta``,
+``model.quantizer`` (``legacy``, ``l2_normalize``, ``lookup_dim``, ``ema_decay``,
+``usage_decay``; 0 switches a numeric option off), ``reseed_threshold``, ``loss``
+(``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
+``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
+``n_layers``, ``norm``), ``lpips`` (``vgg_path``, ``linear_path``: without them the perceptual
+weight is 0, and the log says so), ``disc_learning_rate`` and the ``attnjax.tasks.optim``
+fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
+
+Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
+averaged), ``perplexity`` and ``codebook_usage`` (fraction of codes used, per eval batch
+weighted by its examples: an eval batch holding the whole split gives the split's usage),
+``g_loss``/``disc_loss`` (discriminator in eval mode) when there is one.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from attnjax import vqgan, vqgan_loss
+from attnjax.tasks import optim
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # {"autoencoder", "discriminator" (or None), "vq_state"}
+    opt_state: Any
+    disc_opt_state: Any = None
+    batch_stats: Any = None  # the discriminator's BatchNorm statistics
+    lpips_params: Any = None  # constants, present only with a perceptual term
+
+
+def perceptual_weight(config) -> float:
+    """The perceptual weight in effect: 0 without LPIPS weights."""
+    weight = float(config.loss.get("perceptual_weight", 0.0))
+    return weight if weight > 0 and config.get("lpips", {}).get("vgg_path") else 0.0
+
+
+def _quantizer_options(config) -> dict:
+    options = dict(config.model.get("quantizer", {}))
+    for key in ("lookup_dim", "ema_decay", "usage_decay"):
+        options[key] = options.get(key) or None
+    return options
+
+
+def create_model(config) -> dict:
+    """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None, "lpips": LPIPS | None}``."""
+    if config.get("reseed_threshold", 0.0) > 0 and not config.model.get("quantizer", {}).get("usage_decay"):
+        raise ValueError("config.reseed_threshold > 0 needs config.model.quantizer.usage_decay > 0 "
+                         "(re-seeding reads the tracked per-code usage)")
+    autoencoder = create_autoencoder(config)
+    discriminator = None
+    if config.loss.get("disc_weight", 0.0) > 0:
+        discriminator = vqgan.NLayerDiscriminator(**config.discriminator.to_dict())
+    lpips_model = None
+    if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
+        logging.warning("config.loss.perceptual_weight=%g but config.lpips.vgg_path is empty: "
+                        "training WITHOUT the perceptual (LPIPS) term, i.e. perceptual weight 0.",
+                        config.loss.perceptual_weight)
+    elif perceptual_weight(config):
+        from attnjax import lpips
+
+        lpips_model = lpips.LPIPS()
+    return {"autoencoder": autoencoder, "discriminator": discriminator, "lpips": lpips_model}
+
+
+def create_autoencoder(config) -> vqgan.VQGAN:
+    return vqgan.create_vqgan(config.model.ddconfig.to_dict(), config.model.n_embed, config.model.embed_dim,
+                              beta=config.model.get("beta", 0.25), quantizer=_quantizer_options(config))
+
+
+def inference_model(config, variables):
+    """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=True)``."""
+    params = variables["params"]
+    return create_autoencoder(config), {"params": params["autoencoder"], "vq_state": params.get("vq_state") or {}}
+
+
+def _optimizers(config):
+    autoencoder = optim.make_optimizer(config)
+    disc = optim.make_optimizer(config, learning_rate=config.get("disc_learning_rate", config.learning_rate))
+    return autoencoder, disc
+
+
+def _load_lpips_params(config):
+    from attnjax import torch_interop
+
+    _, variables = torch_interop.lpips_from_torch(config.lpips.vgg_path, config.lpips.get("linear_path") or None)
+    logging.info("LPIPS weights: VGG16 from %s, linear layers from %s", config.lpips.vgg_path,
+                 config.lpips.get("linear_path") or config.lpips.vgg_path)
+    return jax.tree.map(jnp.asarray, variables)
+
+
+def create_train_state(rng, config, model, example_batch) -> TrainState:
+    images = jnp.asarray(example_batch["image"])
+    ae_rng, disc_rng = jax.random.split(rng)
+    variables = jax.jit(lambda r: model["autoencoder"].init(r, images[:1]))(ae_rng)
+    params = {"autoencoder": variables["params"], "vq_state": variables.get("vq_state", {}),
+              "discriminator": None}
+    tx, disc_tx = _optimizers(config)
+    disc_opt_state = batch_stats = lpips_params = None
+    if model["discriminator"] is not None:
+        # A whole batch: ActNorm initialises itself from its statistics, as taming's does.
+        disc_vars = model["discriminator"].init(disc_rng, images)
+        params["discriminator"] = disc_vars["params"]
+        batch_stats = disc_vars.get("batch_stats", {})
+        disc_opt_state = disc_tx.init(params["discriminator"])
+    if model["lpips"] is not None:
+        lpips_params = _load_lpips_params(config)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params["autoencoder"]), disc_opt_state=disc_opt_state,
+                      batch_stats=batch_stats, lpips_params=lpips_params)
+
+
+def _rgb(x):
+    return jnp.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x
+
+
+def _perceptual_fn(state, model, config):
+    if not perceptual_weight(config):
+        return None
+    return lambda a, b: model["lpips"].apply(state.lpips_params, _rgb(a), _rgb(b))
+
+
+def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
+    autoencoder, disc = model["autoencoder"], model["discriminator"]
+    tx, disc_tx = _optimizers(config)
+    x, step, loss_config = batch["image"], state.step, config.loss
+    perceptual = _perceptual_fn(state, model, config)
+    disc_start = int(loss_config.get("disc_start", 0))
+
+    def discriminator(images):
+        variables = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
+        return disc.apply(variables, images, train=True, mutable=["batch_stats"])[0]
+
+    def ae_loss(ae_params, with_gan: bool):
+        variables = {"params": ae_params, "vq_state": state.params["vq_state"]}
+        (rec, aux), updated = autoencoder.apply(variables, x, train=True, mutable=["vq_state", "intermediates"],
+                                                rngs={"dropout": rng})
+        features = updated["intermediates"]["decoder"]["pre_conv_out"][0]
+        loss, log = vqgan_loss.generator_loss(
+            x, rec, aux["loss"], discriminator=discriminator if with_gan else None, step=step,
+            last_layer=(features, ae_params["decoder"]["conv_out"]["kernel"]), perceptual=perceptual,
+            perceptual_weight=perceptual_weight(config),
+            codebook_weight=loss_config.get("codebook_weight", 1.0), disc_start=disc_start,
+            disc_factor=loss_config.get("disc_factor", 1.0), disc_weight=loss_config.get("disc_weight", 0.0))
+        if disc is not None and not with_gan:
+            log.update(g_loss=jnp.zeros(()), d_weight=jnp.zeros(()), disc_factor=jnp.zeros(()))
+        stats = {k: aux[k] for k in ("perplexity", "codebook_usage")}
+        return loss, (log, stats, rec, aux["latents"], updated.get("vq_state", {}))
+
+    def loss_fn(ae_params):
+        if disc is None:
+            return ae_loss(ae_params, False)
+        return jax.lax.cond(step >= disc_start, lambda p: ae_loss(p, True), lambda p: ae_loss(p, False), ae_params)
+
+    (loss, (log, stats, rec, latents, vq_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params["autoencoder"])
+    metrics = {"loss": loss, **log, **stats}
+    if axis_name is not None:
+        grads, metrics, vq_state = jax.lax.pmean((grads, metrics, vq_state), axis_name)
+        latents = jax.lax.all_gather(latents, axis_name, tiled=True)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params["autoencoder"])
+    params = dict(state.params, autoencoder=optax.apply_updates(state.params["autoencoder"], updates),
+                  vq_state=vq_state)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["learning_rate"] = optim.learning_rate_at(config, step)
+
+    disc_opt_state, batch_stats = state.disc_opt_state, state.batch_stats
+    if disc is not None:
+        params, disc_opt_state, batch_stats, disc_metrics = _discriminator_update(
+            state, params, x, jax.lax.stop_gradient(rec), disc, disc_tx, loss_config, axis_name)
+        metrics.update(disc_metrics)
+
+    if config.get("reseed_threshold", 0.0) > 0:
+        # The same key on every device: the reseeded codebook must stay replicated.
+        key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1), step)
+        autoencoder_params, vq_state, reseeded = vqgan.reseed_dead_codes(
+            params["autoencoder"], params["vq_state"], latents, key, config.reseed_threshold)
+        params = dict(params, autoencoder=autoencoder_params, vq_state=vq_state)
+        metrics["reseeded_codes"] = reseeded.astype(jnp.float32)
+    return state.replace(step=step + 1, params=params, opt_state=opt_state, disc_opt_state=disc_opt_state,
+                         batch_stats=batch_stats), metrics
+
+
+def _discriminator_update(state, params, x, rec, disc, disc_tx, loss_config, axis_name):
+    disc_start = int(loss_config.get("disc_start", 0))
+
+    def d_loss_fn(d_params):
+        # Real and fake in separate calls, as taming: each gets its own batch statistics.
+        real, updated = disc.apply({"params": d_params, "batch_stats": state.batch_stats}, x, train=True,
+                                   mutable=["batch_stats"])
+        fake, updated = disc.apply({"params": d_params, **updated}, rec, train=True, mutable=["batch_stats"])
+        loss, log = vqgan_loss.discriminator_loss(real, fake, step=state.step, disc_start=disc_start,
+                                                  disc_factor=loss_config.get("disc_factor", 1.0),
+                                                  kind=loss_config.get("disc_loss", "hinge"))
+        return loss, (log, updated["batch_stats"])
+
+    def update(_):
+        (_, (log, batch_stats)), grads = jax.value_and_grad(d_loss_fn, has_aux=True)(params["discriminator"])
+        if axis_name is not None:
+            grads, log, batch_stats = jax.lax.pmean((grads, log, batch_stats), axis_name)
+        updates, opt_state = disc_tx.update(grads, state.disc_opt_state, params["discriminator"])
+        return optax.apply_updates(params["discriminator"], updates), opt_state, batch_stats, log
+
+    def skip(_):
+        zeros = {k: jnp.zeros(()) for k in ("disc_loss", "logits_real", "logits_fake")}
+        return params["discriminator"], state.disc_opt_state, state.batch_stats, zeros
+
+    d_params, opt_state, batch_stats, log = jax.lax.cond(state.step >= disc_start, update, skip, None)
+    return dict(params, discriminator=d_params), opt_state, batch_stats, log
+
+
+def _to_unit_range(images, data_config):
+    return images * jnp.asarray(data_config.std) + jnp.asarray(data_config.mean)
+
+
+def eval_step(state: TrainState, batch, *, config, model):
+    autoencoder, disc = model["autoencoder"], model["discriminator"]
+    x, mask = batch["image"], batch["mask"]
+    variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
+    rec, aux = autoencoder.apply(variables, x)
+    per_image = lambda v: jnp.mean(v, axis=tuple(range(1, v.ndim)))
+    l1 = per_image(jnp.abs(x - rec))
+    mse = per_image((_to_unit_range(x, config.data) - jnp.clip(_to_unit_range(rec, config.data), 0.0, 1.0)) ** 2)
+    psnr = -10.0 * jnp.log10(jnp.maximum(mse, 1e-10))
+    count = jnp.sum(mask)
+    flat = aux["indices"].reshape(x.shape[0], -1)
+    counts = jnp.sum(jax.nn.one_hot(flat, autoencoder.n_embed) * mask[:, None, None], axis=(0, 1))
+    probs = counts / jnp.maximum(counts.sum(), 1.0)
+    sums = {"l1": jnp.sum(l1 * mask), "psnr": jnp.sum(psnr * mask), "count": count,
+            "perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))) * count,
+            "codebook_usage": jnp.mean(counts > 0) * count}
+    if disc is not None:
+        disc_vars = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
+        real, fake = per_image(disc.apply(disc_vars, x)), per_image(disc.apply(disc_vars, rec))
+        sums["g_loss"] = jnp.sum(-fake * mask)
+        sums["disc_loss"] = jnp.sum(0.5 * (jax.nn.relu(1.0 - real) + jax.nn.relu(1.0 + fake)) * mask)
+    return sums
+
+
+def _tile(images, columns: int) -> np.ndarray:
+    """``[n, h, w, c]`` in [0, 1] -> one uint8 grid image (padded with white to full rows)."""
+    n, h, w, c = images.shape
+    rows = -(-n // columns)
+    grid = np.ones((rows * (h + 1) + 1, columns * (w + 1) + 1, c), np.float32)
+    for i, image in enumerate(images):
+        r, col = divmod(i, columns)
+        grid[1 + r * (h + 1):1 + r * (h + 1) + h, 1 + col * (w + 1):1 + col * (w + 1) + w] = image
+    grid = (np.clip(grid, 0.0, 1.0) * 255).round().astype(np.uint8)
+    return grid[..., 0] if c == 1 else grid
+
+
+def _save_png(array: np.ndarray, path: str, scale: int) -> None:
+    from PIL import Image
+
+    image = Image.fromarray(array)
+    image.resize((image.width * scale, image.height * scale), Image.NEAREST).save(path)
+
+
+def write_images(state: TrainState, batch, *, config, model, workdir, step):
+    """``reconstructions.png``: rows of 16 inputs, each followed by its row of reconstructions."""
+    n = min(32, int(np.sum(batch["mask"])))
+    x = jnp.asarray(batch["image"][:n])
+    variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
+    rec, _ = model["autoencoder"].apply(variables, x)
+    inputs, recs = (np.asarray(_to_unit_range(a, config.data)) for a in (x, rec))
+    columns = 16
+    pairs = []
+    for start in range(0, n, columns):
+        pairs += [inputs[start:start + columns], recs[start:start + columns]]
+    _save_png(_tile(np.concatenate(pairs), columns), os.path.join(workdir, "reconstructions.png"), 4)
+
+
+def decode_every_code(model: vqgan.VQGAN, variables, grid_shape) -> np.ndarray:
+    """Each code decoded alone (a token grid filled with it): ``[n_embed, H, W, C]``."""
+    indices = jnp.broadcast_to(jnp.arange(model.n_embed)[:, None, None], (model.n_embed, *grid_shape))
+    return np.asarray(jax.jit(lambda v, i: model.apply(v, i, method=type(model).decode_indices))(variables, indices))
+
+
+def finalize(state: TrainState, metrics, *, config, model, workdir):
+    """``codebook.png``: every code decoded alone, in index order."""
+    autoencoder = model["autoencoder"]
+    size = config.data.image_size // autoencoder.downsample_factor
+    variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
+    decoded = np.asarray(_to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data))
+    _save_png(_tile(decoded, 16), os.path.join(workdir, "codebook.png"), 3)
+    return {}
