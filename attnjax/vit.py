@@ -45,6 +45,9 @@ _SIZES = {
 }
 # Named models that are not "size/patch" strings. "cifar" is the study notes' PyTorch model
 # (seed 000): its torch LayerNorms use eps 1e-5 and its dropout also hits the attention weights.
+# Evaluation is identical to the seed's; in training, dropout sits where timm and big_vision put
+# it (after the GELU, after fc2, after the attention projection), while the seed drops before the
+# GELU and not after attention.
 _NAMED = {
     "cifar": dict(
         image_size=32,

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from attnjax import torch_interop, vit
@@ -81,9 +83,8 @@ def _perturbed(model, seed=0):
 
 def _randomized(variables, scale=0.3):
     """Flax-initialised variables plus noise (zero-initialised heads and biases become random)."""
-    leaves, tree = jax.tree.flatten(variables)
-    keys = jax.random.split(jax.random.key(42), len(leaves))
-    return tree.unflatten([p + scale * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+    rng = np.random.default_rng(42)
+    return jax.tree.map(lambda p: p + scale * rng.standard_normal(p.shape, np.float32), variables)
 
 
 def _images(batch, size, channels=3, seed=0):
@@ -259,6 +260,24 @@ def test_patchify_matches_seed_order_up_to_pixel_order():
     np.testing.assert_array_equal(vit.unpatchify(patches, (2, 3), 4, 3), images)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    grid=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    patch=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    channels=st.integers(1, 3),
+)
+def test_patchify_property(batch, grid, patch, channels):
+    shape = (batch, grid[0] * patch[0], grid[1] * patch[1], channels)
+    images = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    patches = np.asarray(vit.patchify(images, patch))
+    assert patches.shape == (batch, grid[0] * grid[1], patch[0] * patch[1] * channels)
+    row, col = grid[0] - 1, grid[1] - 1  # the last patch: row-major token order
+    window = images[:, row * patch[0]:, col * patch[1]:]
+    np.testing.assert_array_equal(patches[:, -1], window.reshape(batch, -1))
+    np.testing.assert_array_equal(vit.unpatchify(patches, grid, patch, channels), images)
+
+
 @pytest.mark.parametrize("pool, posemb, class_token", [("gap", "sincos2d", False), ("cls", "learn", True)])
 def test_options_non_square_and_gap(pool, posemb, class_token):
     model = vit.ViT(num_classes=3, patch_size=(4, 2), width=16, depth=2, num_heads=2, mlp_ratio=2.0,
@@ -281,7 +300,7 @@ def test_options_non_square_and_gap(pool, posemb, class_token):
 def test_dropout_and_stochastic_depth():
     block = vit.EncoderBlock(num_heads=2, mlp_dim=8, stochastic_depth=True, deterministic=False)
     x = jax.random.normal(jax.random.key(0), (4000, 3, 4))
-    params = block.init(jax.random.key(1), x)
+    params = jax.jit(block.init)(jax.random.key(1), x)
     full = jax.jit(vit.EncoderBlock(num_heads=2, mlp_dim=8).apply)(params, x)[0]
     dropped = jax.jit(lambda rate: block.apply(params, x, rate, rngs={"dropout": jax.random.key(2)})[0])
     half = dropped(0.5)
@@ -314,7 +333,7 @@ def _numpy_rollout(weights, num_prefix, residual=0.5):
 def test_attention_rollout_and_png(seed_pair, tmp_path):
     _, model, variables = seed_pair
     images = _images(3, 16, seed=8)
-    _, aux = model.apply(variables, images, return_aux=True)
+    _, aux = jax.jit(lambda v: model.apply(v, images, return_aux=True))(variables)
     weights = [np.asarray(w, np.float64) for w in aux["attention_weights"]]
     heat = vit.attention_rollout(aux["attention_weights"], (4, 4))
     assert_close(heat, _numpy_rollout(weights, 1).reshape(3, 4, 4), what="rollout")

@@ -174,7 +174,7 @@ def test_google_npz_fine_tuning_overrides(tmp_path):
     assert_close(params["pos_embed"]["pos_embedding"][:, 0], variables["params"]["pos_embed"]["pos_embedding"][:, 0],
                  what="class token position is kept")
     assert params["head"]["kernel"].shape == (24, 7) and not np.any(params["head"]["kernel"])
-    assert tuned.apply(tuned_variables, _images(1, 24)).shape == (1, 7)
+    assert _logits(tuned, tuned_variables, _images(1, 24)).shape == (1, 7)
 
 
 def test_google_npz_bad_files(tmp_path):
