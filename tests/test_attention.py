@@ -355,6 +355,14 @@ def test_jit_grad_vmap_through_public_functions():
     bthd = [np.swapaxes(t, 1, 2) for t in (q, k, v)]
     fused = jax.jit(lambda *a: attention.dot_product_attention(*a, is_causal=True))(*bthd)
     assert_close(np.swapaxes(fused, 1, 2), expected, what="jit dot_product_attention")
+    def one_example(*qkv):
+        return attention.dot_product_attention(*(t[None] for t in qkv), is_causal=True)[0]
+
+    per_example = jax.jit(jax.vmap(one_example))
+    assert_close(np.swapaxes(per_example(*bthd), 1, 2), expected, what="vmap dot_product_attention")
+    np.testing.assert_array_equal(
+        jax.jit(attention.causal_mask, static_argnums=(0, 1))(2, 3), [[1, 0, 0], [1, 1, 0]]
+    )
     # a float mask is differentiable (e.g. a learned relative-position bias)
     grad_bias = jax.jit(jax.grad(lambda b: jnp.sum(sdpa(q, k, v, b) ** 2)))(jnp.zeros((3, 3)))
     assert grad_bias.shape == (3, 3) and np.abs(np.asarray(grad_bias)).sum() > 0

@@ -91,6 +91,9 @@ def test_jit_grad_vmap_through_positional():
     posemb = jnp.ones((1, 1 + 4, 2))
     resize = jax.jit(positional.resize_position_embedding, static_argnums=(1,))
     assert resize(posemb, (3, 3)).shape == (1, 10, 2)
+    stacked = jnp.stack([posemb, 2 * posemb])
+    resized = jax.jit(jax.vmap(lambda p: positional.resize_position_embedding(p, (3, 3))))(stacked)
+    assert_close(resized[1], 2 * np.asarray(resize(posemb, (3, 3))), what="vmap resize")
     resized_sum = lambda p: positional.resize_position_embedding(p, (3, 3), method="bilinear").sum()  # noqa: E731
     grad = jax.jit(jax.grad(resized_sum))(posemb)
     # bilinear weights sum to one per output pixel: 9 outputs spread over 4 inputs, prefix 1
