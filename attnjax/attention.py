@@ -398,6 +398,8 @@ class MultiHeadAttention(nn.Module):
       use_bias: biases on all four projections.
       dropout_rate: dropout on the attention weights (rng collection ``"dropout"``).
       decode: use and update the key/value cache.
+      dtype, param_dtype: computation and parameter dtypes of the projections.
+      kernel_init, bias_init: default Xavier-uniform and zeros (PyTorch's ``in_proj`` init).
     """
 
     num_heads: int
