@@ -38,7 +38,7 @@ def _check_loop_fields(config) -> None:
 def evaluate(task, dp, p_eval, state, datasets, *, config, model, workdir, step) -> dict:
     """Runs the eval set once -> ``{"eval/<name>": sum / count}``; writes the task's images."""
     totals, first = None, None
-    for batch in data.make_iterator(datasets.eval, config.data):
+    for batch in data.make_iterator(datasets.eval, config.get("data")):
         first = batch if first is None else first
         sums = p_eval(state, dp.shard_batch(batch))
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
@@ -70,11 +70,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     datasets = make_datasets(config, process_index=jax.process_index(),
                              process_count=jax.process_count())
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    example = next(data.make_iterator(datasets.train, config.data))
+    example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
 
     ckpt = checkpoint.Checkpointer(workdir, config)
-    train_iter = data.make_iterator(datasets.train, config.data)
+    train_iter = data.make_iterator(datasets.train, config.get("data"))
     start = ckpt.latest_step()
     if start is not None:
         state, data_state = ckpt.restore(state)
