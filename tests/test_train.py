@@ -198,6 +198,11 @@ def test_bad_configs_fail_before_training_and_leave_the_workdir_alone(short_run,
         with pytest.raises(ValueError, match=message):
             train_and_evaluate(config, workdir)
         assert snapshot(workdir) == before, field
+    # Rerunning the finished run trains nothing and reports the same final evaluation.
+    config, _, result = short_run
+    again = train_and_evaluate(config, workdir)
+    assert again["step"] == 8 and again["eval/accuracy"] == result["eval/accuracy"]
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
 
 
 # ---- optimisation pieces ------------------------------------------------------------------

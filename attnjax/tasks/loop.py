@@ -131,6 +131,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 ckpt.save(step, jax.device_get(dp.unreplicate(state)), data_state)
             result["step"] = step
             tick = time.perf_counter() if step % config.log_every == 0 else tick
+        if start >= num_steps:  # already finished: report the final evaluation again
+            result.update(evaluate(task, dp, p_eval, state, datasets, config=config, model=model,
+                                   workdir=workdir, step=start))
         if hasattr(task, "finalize"):
             result.update(task.finalize(dp.unreplicate(state), result, config=config,
                                         model=model, workdir=workdir) or {})
