@@ -24,7 +24,6 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 
 CONFIG_FILE = "config.json"
 # Config fields that define the model a checkpoint holds; a resumed run must agree on them.

@@ -14,7 +14,6 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import tensorflow_datasets as tfds
 
