@@ -56,7 +56,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     Returns the final metrics: ``step``, the last ``train/*`` averages, ``eval/*`` of the final
     evaluation, ``steps_per_sec`` (training steps only, compile excluded after the first log)
-    and whatever the task's ``finalize`` adds.
+    and whatever the task's ``finalize`` adds. Calling it again on a finished workdir trains
+    nothing and returns the final evaluation again (pipelines can rerun stages cheaply).
     """
     _check_loop_fields(config)
     task = tasks.get_task(config.task)
