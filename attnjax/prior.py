@@ -18,6 +18,10 @@ VQGAN's token grid). One prefix token comes first, as taming's ``Net2NetTransfor
   by passing its raw ids as ``prefix``.)
 * unconditional: a start token ``codebook_size`` (taming's ``SOSProvider``); vocab
   ``codebook_size + 1``.
+* classifier-free guidance (beyond taming): a class-conditional prior trained with the class
+  sometimes replaced by a null token ``codebook_size + num_classes`` (vocab + 1) is also an
+  unconditional one; sampling can then push the logits away from the unconditional ones,
+  ``u + w (c - u)``, for samples that look more like their class.
 
 The model reads ``[prefix, code_0 .. code_{n-2}]`` (``block_size = num_codes``) and position
 ``i`` predicts ``code_i``, exactly taming's ``logits[:, c_len - 1:]``. Sampling never emits a
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -139,9 +143,19 @@ class GPT(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def vocab_size(codebook_size: int, num_classes: int) -> int:
-    """Vocabulary of the prior: the codes plus one prefix token per class (or one start token)."""
-    return codebook_size + max(num_classes, 1)
+def vocab_size(codebook_size: int, num_classes: int, null_class: bool = False) -> int:
+    """Vocabulary of the prior: the codes, one token per class, and the null/start token.
+
+    The null token ``codebook_size + num_classes`` exists when ``null_class`` (class-conditional
+    training that sometimes hides the class, for classifier-free guidance) or when the prior is
+    unconditional (``num_classes == 0``: it is the start token).
+    """
+    return codebook_size + num_classes + int(null_class or num_classes == 0)
+
+
+def null_tokens(codebook_size: int, num_classes: int, batch: int) -> Array:
+    """The null prefix ``[batch, 1]``: the start token of an unconditional prior."""
+    return jnp.full((batch, 1), codebook_size + num_classes, jnp.int32)
 
 
 def prefix_tokens(labels, codebook_size: int, num_classes: int, batch: int | None = None) -> Array:
@@ -164,7 +178,7 @@ def prefix_tokens(labels, codebook_size: int, num_classes: int, batch: int | Non
         if labels is None:
             raise ValueError("prefix_tokens: an unconditional prefix needs batch (or labels for its size)")
         batch = len(labels)
-    return jnp.full((batch, 1), codebook_size, jnp.int32)
+    return null_tokens(codebook_size, 0, batch)
 
 
 def sequence_logits(model: GPT, params, codes, prefix, *, deterministic=True, rngs=None) -> Array:
@@ -217,22 +231,51 @@ def filter_logits(logits, *, num_codes: int | None = None, top_k: int | None = N
     return logits
 
 
-def _check_sampling_args(temperature, top_k, top_p, num_codes, vocab):
-    if temperature < 0:
-        raise ValueError(f"sample: temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and not 1 <= top_k <= vocab:
-        raise ValueError(f"sample: top_k must be in [1, {vocab}] (the vocab size), got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"sample: top_p must be in (0, 1], got {top_p}")
-    if num_codes is not None and not 1 <= num_codes <= vocab:
-        raise ValueError(f"sample: num_codes must be in [1, {vocab}] (the vocab size), got {num_codes}")
+class Settings(NamedTuple):
+    """How a token is picked from the model's logits (a static, hashable jit argument)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    num_codes: int | None = None
+    guidance: float | None = None
+
+    def check(self, vocab: int) -> "Settings":
+        if self.temperature < 0:
+            raise ValueError(f"sample: temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and not 1 <= self.top_k <= vocab:
+            raise ValueError(f"sample: top_k must be in [1, {vocab}] (the vocab size), got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sample: top_p must be in (0, 1], got {self.top_p}")
+        if self.num_codes is not None and not 1 <= self.num_codes <= vocab:
+            raise ValueError(
+                f"sample: num_codes must be in [1, {vocab}] (the vocab size), got {self.num_codes}")
+        return self._replace(
+            temperature=float(self.temperature),
+            top_p=None if self.top_p is None else float(self.top_p),
+            guidance=None if self.guidance is None else float(self.guidance),
+        )
 
 
-def _pick(logits, rng, temperature, top_k, top_p, num_codes):
+def _guide(logits, settings: Settings):
+    """``[2 batch, vocab]`` (conditional rows, then unconditional) -> guided ``[batch, vocab]``.
+
+    Classifier-free guidance: ``u + w (c - u)``; ``w = 1`` is the conditional model itself.
+    Without guidance the logits pass through.
+    """
+    if settings.guidance is None:
+        return logits
+    conditional, unconditional = jnp.split(logits, 2, axis=0)
+    return unconditional + settings.guidance * (conditional - unconditional)
+
+
+def _pick(logits, rng, settings: Settings):
     """One token per row of ``logits [batch, vocab]``: greedy when ``temperature == 0``."""
-    if temperature == 0:
-        return jnp.argmax(filter_logits(logits, num_codes=num_codes), axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits / temperature, num_codes=num_codes, top_k=top_k, top_p=top_p)
+    if settings.temperature == 0:
+        filtered = filter_logits(logits, num_codes=settings.num_codes)
+        return jnp.argmax(filtered, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits / settings.temperature, num_codes=settings.num_codes,
+                             top_k=settings.top_k, top_p=settings.top_p)
     return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
 
 
@@ -248,14 +291,17 @@ def _check_lengths(model: GPT, prefix, steps):
         )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("model", "steps", "temperature", "top_k", "top_p", "num_codes")
-)
-def _sample_cached(model, params, prefix, rng, steps, temperature, top_k, top_p, num_codes):
+def _both_halves(token, settings: Settings):
+    """The picked ``[batch]`` tokens for every row the model runs (both halves under guidance)."""
+    return token if settings.guidance is None else jnp.concatenate([token, token])
+
+
+@functools.partial(jax.jit, static_argnames=("model", "steps", "settings"))
+def _sample_cached(model, params, prefix, rng, steps, settings):
     decoder = model.clone(decode=True)
-    batch, prefix_length = prefix.shape
+    rows, prefix_length = prefix.shape
     shapes = jax.eval_shape(
-        decoder.init, jax.random.key(0), jnp.zeros((batch, prefix_length + steps - 1), jnp.int32)
+        decoder.init, jax.random.key(0), jnp.zeros((rows, prefix_length + steps - 1), jnp.int32)
     )
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
@@ -263,61 +309,69 @@ def _sample_cached(model, params, prefix, rng, steps, temperature, top_k, top_p,
         logits, updated = decoder.apply(
             {"params": params, "cache": cache}, tokens, mutable=["cache"]
         )
-        return updated["cache"], logits[:, -1].astype(jnp.float32)
+        return updated["cache"], _guide(logits[:, -1].astype(jnp.float32), settings)
 
     cache, logits = forward(cache, prefix)
 
     def step(carry, i):
         cache, logits = carry
-        token = _pick(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p, num_codes)
-        cache, next_logits = forward(cache, token[:, None])
+        token = _pick(logits, jax.random.fold_in(rng, i), settings)
+        cache, next_logits = forward(cache, _both_halves(token, settings)[:, None])
         return (cache, next_logits), (token, logits)
 
     (_, last_logits), (tokens, logits_seen) = jax.lax.scan(
         step, (cache, logits), jnp.arange(steps - 1)
     )
-    last = _pick(last_logits, jax.random.fold_in(rng, steps - 1), temperature, top_k, top_p, num_codes)
+    last = _pick(last_logits, jax.random.fold_in(rng, steps - 1), settings)
     tokens = jnp.concatenate([tokens, last[None]], axis=0).T  # [batch, steps]
     logits_seen = jnp.concatenate([logits_seen, last_logits[None]], axis=0)
     return tokens, jnp.swapaxes(logits_seen, 0, 1)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("model", "steps", "temperature", "top_k", "top_p", "num_codes")
-)
-def _sample_recompute(model, params, prefix, rng, steps, temperature, top_k, top_p, num_codes):
-    batch, prefix_length = prefix.shape
+@functools.partial(jax.jit, static_argnames=("model", "steps", "settings"))
+def _sample_recompute(model, params, prefix, rng, steps, settings):
+    rows, prefix_length = prefix.shape
+    batch = rows if settings.guidance is None else rows // 2
     # Positions past the current one hold zeros; the causal mask keeps them out of its logits.
-    buffer = jnp.zeros((batch, prefix_length + steps), jnp.int32).at[:, :prefix_length].set(prefix)
+    buffer = jnp.zeros((rows, prefix_length + steps), jnp.int32).at[:, :prefix_length].set(prefix)
     logits_seen = jnp.zeros((batch, steps, model.vocab_size), jnp.float32)
 
     def step(i, carry):
         buffer, logits_seen = carry
         all_logits = model.apply({"params": params}, buffer[:, :-1])
         logits = jax.lax.dynamic_index_in_dim(all_logits, prefix_length - 1 + i, 1, keepdims=False)
-        logits = logits.astype(jnp.float32)
-        token = _pick(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p, num_codes)
+        logits = _guide(logits.astype(jnp.float32), settings)
+        token = _both_halves(_pick(logits, jax.random.fold_in(rng, i), settings), settings)
         buffer = jax.lax.dynamic_update_slice(buffer, token[:, None], (0, prefix_length + i))
         logits_seen = jax.lax.dynamic_update_slice(logits_seen, logits[:, None], (0, i, 0))
         return buffer, logits_seen
 
     buffer, logits_seen = jax.lax.fori_loop(0, steps, step, (buffer, logits_seen))
-    return buffer[:, prefix_length:], logits_seen
+    return buffer[:batch, prefix_length:], logits_seen
 
 
-def _sample(sampler, model, params, prefix, rng, steps, temperature, top_k, top_p, num_codes):
+def _sample(sampler, model, params, prefix, rng, steps, settings: Settings, null_prefix):
     prefix = jnp.asarray(prefix, jnp.int32)
     _check_lengths(model, prefix, steps)
-    _check_sampling_args(temperature, top_k, top_p, num_codes, model.vocab_size)
-    return sampler(
-        model, params, prefix, rng, steps, float(temperature), top_k,
-        None if top_p is None else float(top_p), num_codes,
-    )
+    settings = settings.check(model.vocab_size)
+    if (settings.guidance is None) != (null_prefix is None):
+        raise ValueError(
+            "sample: guidance and null_prefix go together (classifier-free guidance needs the "
+            f"unconditional prefix), got guidance={settings.guidance}, null_prefix "
+            f"{'None' if null_prefix is None else 'given'}"
+        )
+    if null_prefix is not None:
+        null_prefix = jnp.asarray(null_prefix, jnp.int32)
+        if null_prefix.shape != prefix.shape:
+            raise ValueError(
+                f"sample: null_prefix shape {null_prefix.shape} must equal prefix shape {prefix.shape}")
+        prefix = jnp.concatenate([prefix, null_prefix], axis=0)
+    return sampler(model, params, prefix, rng, steps, settings)
 
 
 def sample(model: GPT, params, prefix, rng, steps: int, *, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, num_codes: int | None = None,
-           return_logits: bool = False):
+           guidance: float | None = None, null_prefix=None, return_logits: bool = False):
     """Sample ``steps`` tokens after ``prefix [batch, p]`` with the key/value cache.
 
     Args:
@@ -329,28 +383,31 @@ def sample(model: GPT, params, prefix, rng, steps: int, *, temperature: float = 
       temperature: logits are divided by it; 0 picks the most likely token (top-k/p ignored).
       top_k, top_p: see ``filter_logits``.
       num_codes: ids ``>= num_codes`` are never sampled (the prefix tokens).
-      return_logits: also return the model's logits before each pick (before temperature).
+      guidance, null_prefix: classifier-free guidance: the model also runs on ``null_prefix``
+        ``[batch, p]`` (the unconditional prefix it was trained with) and tokens are drawn from
+        ``u + guidance * (c - u)`` of the unconditional and conditional logits.
+      return_logits: also return the logits each pick drew from (guided, before temperature).
 
     Returns:
       tokens ``[batch, steps]`` int32, and with ``return_logits`` the logits
       ``[batch, steps, vocab]`` float32.
     """
-    tokens, logits = _sample(
-        _sample_cached, model, params, prefix, rng, steps, temperature, top_k, top_p, num_codes
-    )
+    settings = Settings(temperature, top_k, top_p, num_codes, guidance)
+    tokens, logits = _sample(_sample_cached, model, params, prefix, rng, steps, settings, null_prefix)
     return (tokens, logits) if return_logits else tokens
 
 
 def sample_recompute(model: GPT, params, prefix, rng, steps: int, *, temperature: float = 1.0,
                      top_k: int | None = None, top_p: float | None = None,
-                     num_codes: int | None = None, return_logits: bool = False):
+                     num_codes: int | None = None, guidance: float | None = None,
+                     null_prefix=None, return_logits: bool = False):
     """``sample`` without a cache: the full causal pass over the whole sequence for every token.
 
     Same arguments, same keys, same results; the reference for ``sample`` and its benchmark.
     """
-    tokens, logits = _sample(
-        _sample_recompute, model, params, prefix, rng, steps, temperature, top_k, top_p, num_codes
-    )
+    settings = Settings(temperature, top_k, top_p, num_codes, guidance)
+    tokens, logits = _sample(_sample_recompute, model, params, prefix, rng, steps, settings,
+                             null_prefix)
     return (tokens, logits) if return_logits else tokens
 
 
@@ -388,8 +445,8 @@ def save_image_grid(images, path: str, nrow: int, scale: int = 1) -> str:
 def sample_images(model: GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
                   codebook_size: int, num_classes: int, num_samples: int | None = None,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  mean=0.5, std=0.5, path: str | None = None, nrow: int | None = None,
-                  scale: int = 1):
+                  guidance: float | None = None, mean=0.5, std=0.5, path: str | None = None,
+                  nrow: int | None = None, scale: int = 1):
     """Sample code grids and decode them with the VQGAN: ``(codes [b, h, w], images [b, H, W, C])``.
 
     Args:
@@ -401,7 +458,8 @@ def sample_images(model: GPT, params, vqgan, vqgan_variables, labels, rng, *, gr
       rng: PRNG key of the sampler.
       grid_shape: the token grid ``(h, w)``; ``h * w`` tokens are sampled in raster order.
       codebook_size, num_classes: the prior's vocabulary (see ``prefix_tokens``).
-      temperature, top_k, top_p: the sampler's.
+      temperature, top_k, top_p, guidance: the sampler's (guidance needs a prior trained with
+        a null class; see ``vocab_size``).
       mean, std: the VQGAN's pixel normalisation; images are returned as ``x * std + mean``
         (in [0, 1] for a well trained model).
       path: if given, the images are saved there as a PNG grid of ``nrow`` columns.
@@ -409,10 +467,13 @@ def sample_images(model: GPT, params, vqgan, vqgan_variables, labels, rng, *, gr
     height, width = grid_shape
     batch = num_samples if labels is None else len(labels)
     prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
+    null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
     codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
-                   top_k=top_k, top_p=top_p, num_codes=codebook_size)
+                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
+                   null_prefix=null_prefix)
     codes = codes.reshape(batch, height, width)
-    decoded = vqgan.apply(vqgan_variables, codes, method=type(vqgan).decode_indices)
+    decoded = jax.jit(functools.partial(vqgan.apply, method=type(vqgan).decode_indices))(
+        vqgan_variables, codes)
     images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
     if path is not None:
         save_image_grid(images, path, nrow or batch, scale)

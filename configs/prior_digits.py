@@ -18,6 +18,8 @@ def get_config():
     config.vqgan_step = None              # None: its latest checkpoint
     config.codes_cache_dir = ""           # "" -> <vqgan_workdir>/codes
     config.num_classes = 10               # class-conditional; 0 would make it unconditional
+    config.class_dropout = 0.1            # hide the class of 10% of the sequences: also an
+                                          # unconditional model, for classifier-free guidance
 
     config.data = ml_collections.ConfigDict()
     config.data.train_shifts = 1          # also encode +-1 pixel shifts: 9 code sequences per image
@@ -35,6 +37,7 @@ def get_config():
     config.sampling.temperature = 0.8     # below 1: fewer off-class strokes in the samples
     config.sampling.top_k = 16
     config.sampling.top_p = None
+    config.sampling.guidance = 1.5        # u + 1.5 (c - u): samples that look more like their class
     config.sampling.per_class = 10        # samples per class in samples/<step>.png
     config.sampling.png_scale = 4         # 16x16 digits are tiny on screen
 
@@ -49,14 +52,14 @@ def get_config():
     config.grad_accum_steps = 1
     config.ema_decay = 0.0
 
-    config.batch_size = 128
+    config.batch_size = 64
     config.eval_batch_size = 120          # 360 test digits = 3 batches
-    config.num_train_steps = 1500
+    config.num_train_steps = 1000
     config.parallel = "jit"
     config.distributed = False
 
     config.log_every = 50
-    config.eval_every = 500
+    config.eval_every = 1000              # samples cost a compilation: only at the end
     config.checkpoint_every = 500
     config.max_to_keep = 2
     config.best_metric = ""

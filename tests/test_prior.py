@@ -78,8 +78,9 @@ def test_training_objective_matches_net2net(converted):
         dict(temperature=0.8, top_k=5),
         dict(temperature=1.3, top_p=0.7),
         dict(temperature=0.0),
+        dict(temperature=0.9, top_k=8, guidance=2.5, null_prefix=[[36, 0], [36, 0], [36, 0]]),
     ],
-    ids=["top_k", "top_p", "greedy"],
+    ids=["top_k", "top_p", "greedy", "guided"],
 )
 def test_cached_sampling_equals_full_recompute(converted, settings):
     _, model, variables = converted
@@ -94,8 +95,13 @@ def test_cached_sampling_equals_full_recompute(converted, settings):
     assert_close(logits, ref_logits, what="logits along the cached sampling")
     assert tokens.shape == (3, 20) and int(tokens.max()) < 32
     # And the logits are the model's: a plain forward pass over the sampled sequence.
-    full = model.apply(variables, jnp.concatenate([prefix, tokens[:, :-1]], axis=1))
-    assert_close(logits, full[:, 1:], what="sampler logits vs forward pass")
+    forward = jax.jit(model.apply)
+    full = forward(variables, jnp.concatenate([prefix, tokens[:, :-1]], axis=1))[:, 1:]
+    if "guidance" in settings:
+        null = jnp.asarray(settings["null_prefix"], jnp.int32)
+        unconditional = forward(variables, jnp.concatenate([null, tokens[:, :-1]], axis=1))[:, 1:]
+        full = unconditional + settings["guidance"] * (full - unconditional)
+    assert_close(logits, full, rtol=1e-4, atol=1e-5, what="sampler logits vs forward pass")
 
 
 def test_sampling_is_determined_by_the_key(converted):
@@ -107,6 +113,16 @@ def test_sampling_is_determined_by_the_key(converted):
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
     assert not np.array_equal(np.asarray(first), np.asarray(other))
     assert len({tuple(row) for row in np.asarray(first)}) > 1, "batch rows must draw independently"
+
+
+def test_prefix_and_vocabulary_conventions():
+    np.testing.assert_array_equal(np.asarray(prior.prefix_tokens(np.array([0, 9]), 128, 10)), [[128], [137]])
+    np.testing.assert_array_equal(np.asarray(prior.prefix_tokens(None, 128, 0, batch=2)), [[128], [128]])
+    np.testing.assert_array_equal(np.asarray(prior.null_tokens(128, 10, 1)), [[138]])
+    assert prior.vocab_size(128, 10) == 138 and prior.vocab_size(128, 10, null_class=True) == 139
+    assert prior.vocab_size(128, 0) == 129
+    with pytest.raises(ValueError, match="needs labels"):
+        prior.prefix_tokens(None, 128, 10)
 
 
 def test_filter_logits_top_k_and_top_p():
@@ -128,6 +144,8 @@ def test_bad_sampling_arguments_raise(converted):
         prior.sample(model, variables["params"], prefix, jax.random.key(0), 4, top_k=0)
     with pytest.raises(ValueError, match="top_p"):
         prior.sample(model, variables["params"], prefix, jax.random.key(0), 4, top_p=1.5)
+    with pytest.raises(ValueError, match="null_prefix"):
+        prior.sample(model, variables["params"], prefix, jax.random.key(0), 4, guidance=2.0)
     with pytest.raises(ValueError, match="indices must be"):
         model.apply(variables, jnp.zeros((24,), jnp.int32))
 
@@ -159,8 +177,9 @@ def _pattern_codes(labels, num_tokens=8, num_codes=16):
 def test_prior_task_learns_class_conditional_sequences():
     from attnjax.tasks import prior as task
 
-    config = _task_config()
-    model = prior.GPT(vocab_size=prior.vocab_size(16, 4), block_size=8, **config.model.to_dict())
+    config = _task_config(class_dropout=0.2)  # a null class too, for guided sampling
+    model = prior.GPT(vocab_size=prior.vocab_size(16, 4, null_class=True), block_size=8,
+                      **config.model.to_dict())
     labels = np.arange(64, dtype=np.int32) % 4
     batch = {"codes": _pattern_codes(labels), "label": labels}
     state = task.create_train_state(jax.random.key(0), config, model, batch)
@@ -169,7 +188,8 @@ def test_prior_task_learns_class_conditional_sequences():
     for i in range(config.num_train_steps):
         state, metrics = step(state, batch, jax.random.key(i))
         first = first if first is not None else float(metrics["loss"])
-    assert first > 2.0 and float(metrics["loss"]) < 0.05, (first, float(metrics["loss"]))
+    # Floor: a null-prefixed row cannot know its first code (ln 4 / 8 tokens x 20% = 0.035).
+    assert first > 2.0 and float(metrics["loss"]) < 0.1, (first, float(metrics["loss"]))
 
     # eval_step: padding rows do not count; the mean equals the plain cross-entropy in bits.
     eval_batch = {**batch, "mask": np.r_[np.ones(60), np.zeros(4)].astype(np.float32)}
@@ -180,11 +200,15 @@ def test_prior_task_learns_class_conditional_sequences():
     assert float(sums["count"]) == 60
     assert_close(float(sums["bits_per_token"]) / 60, float(expected), rtol=1e-4, what="eval bits/token")
 
-    # Greedy sampling from each class prefix reproduces that class's sequence.
+    # Greedy sampling from each class prefix reproduces that class's sequence, also guided.
     classes = np.arange(4, dtype=np.int32)
-    tokens = prior.sample(model, state.params, prior.prefix_tokens(classes, 16, 4), jax.random.key(0),
-                          8, temperature=0.0, num_codes=16)
+    prefix = prior.prefix_tokens(classes, 16, 4)
+    tokens = prior.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
+                          num_codes=16)
     np.testing.assert_array_equal(np.asarray(tokens), _pattern_codes(classes))
+    guided = prior.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
+                          num_codes=16, guidance=2.0, null_prefix=prior.null_tokens(16, 4, 4))
+    np.testing.assert_array_equal(np.asarray(guided), _pattern_codes(classes))
 
 
 @pytest.fixture(scope="module")

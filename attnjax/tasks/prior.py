@@ -16,6 +16,8 @@ Metrics: ``loss`` (nats per token), ``bits_per_token``, ``accuracy`` (next-token
 sampled with ``config.sampling`` (temperature, top_k, top_p) and decoded by the VQGAN.
 
 Config: ``vqgan_workdir``, ``vqgan_step`` (None: latest), ``num_classes`` (0: unconditional),
+``class_dropout`` (the fraction of training sequences whose class token is replaced by the null
+token, so that sampling can use classifier-free guidance ``sampling.guidance``; 0: off),
 ``model`` (``attnjax.prior.GPT`` fields other than vocab/block size, which come from the VQGAN),
 ``data.train_shifts``, ``sampling``, ``codes_cache_dir``, and the optimiser fields of
 ``attnjax.tasks.optim``.
@@ -128,7 +130,6 @@ def _load_images(data_config, split: str, shifts: int):
     return images, np.asarray(labels, np.int32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _encode_indices(model, variables, images):
     """``[b, H, W, C]`` -> the VQGAN's token grid ``[b, h, w]``."""
     return model.apply(variables, images, method=type(model).encode)[1]
@@ -154,7 +155,8 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
             logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
             return cached["codes"], cached["labels"]
     images, labels = _load_images(data_config, split, shifts)
-    encode = functools.partial(_encode_indices, vqgan.model, vqgan.variables)
+    # A closure, not a static argument: a VQGAN built from a config holds lists (unhashable).
+    encode = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))
     codes = []
     for start in tqdm(range(0, len(images), batch_size), desc=f"encoding {split} to codes",
                       unit="batch", leave=False):
@@ -185,7 +187,7 @@ def create_model(config) -> prior.GPT:
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     height, width = vqgan.grid_shape
     return prior.GPT(
-        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes),
+        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes, _null_class(config)),
         block_size=height * width,
         **config.model.to_dict(),
     )
@@ -255,20 +257,35 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
                       ema_params=ema)
 
 
-def _prefix(config, model, batch):
-    codebook_size = model.vocab_size - max(config.num_classes, 1)
-    return prior.prefix_tokens(batch["label"], codebook_size, config.num_classes,
-                               batch["codes"].shape[0])
+def _null_class(config) -> bool:
+    return config.num_classes > 0 and config.get("class_dropout", 0.0) > 0
+
+
+def _codebook_size(config, model) -> int:
+    return model.vocab_size - prior.vocab_size(0, config.num_classes, _null_class(config))
+
+
+def _prefix(config, model, batch, rng=None):
+    """The prefix column; in training (``rng`` given) the class is hidden with ``class_dropout``."""
+    codebook_size = _codebook_size(config, model)
+    batch_size = batch["codes"].shape[0]
+    prefix = prior.prefix_tokens(batch["label"], codebook_size, config.num_classes, batch_size)
+    if rng is not None and _null_class(config):
+        hidden = jax.random.bernoulli(rng, config.class_dropout, (batch_size, 1))
+        prefix = jnp.where(hidden, prior.null_tokens(codebook_size, config.num_classes, batch_size),
+                           prefix)
+    return prefix
 
 
 def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     tx = optim.make_optimizer(config)
     codes = batch["codes"]
-    prefix = _prefix(config, model, batch)
+    dropout_rng, class_rng = jax.random.split(rng)
+    prefix = _prefix(config, model, batch, class_rng)
 
     def loss_fn(params):
         logits = prior.sequence_logits(model, params, codes, prefix, deterministic=False,
-                                       rngs={"dropout": rng})
+                                       rngs={"dropout": dropout_rng})
         return prior.cross_entropy(logits, codes), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -301,12 +318,17 @@ def eval_step(state: TrainState, batch, *, config, model):
             "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
 
 
-def sample_grid(state_or_params, config, model, rng, path: str | None = None):
-    """``config.sampling.per_class`` samples of every class (a row each): ``(labels, images)``."""
+def sample_grid(state_or_params, config, model, rng, path: str | None = None,
+                per_class: int | None = None):
+    """Samples of every class with ``config.sampling``: ``(labels [n], images [n, H, W, C])``.
+
+    ``per_class`` (default ``config.sampling.per_class``) samples of each class in turn, pixels
+    in [0, 1] for a well trained VQGAN; with ``path``, saved there as a PNG with a row per class.
+    """
     params = _eval_params(state_or_params) if isinstance(state_or_params, TrainState) else state_or_params
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     sampling = config.sampling
-    per_class = sampling.per_class
+    per_class = per_class or sampling.per_class
     classes = max(config.num_classes, 1)
     labels = np.repeat(np.arange(classes, dtype=np.int32), per_class) if config.num_classes else None
     _, images = prior.sample_images(
@@ -314,6 +336,7 @@ def sample_grid(state_or_params, config, model, rng, path: str | None = None):
         grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
         num_classes=config.num_classes, num_samples=classes * per_class,
         temperature=sampling.temperature, top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
+        guidance=sampling.get("guidance") if _null_class(config) else None,
         mean=vqgan.config.data.mean, std=vqgan.config.data.std, path=path, nrow=per_class,
         scale=sampling.get("png_scale", 1))
     return labels, images

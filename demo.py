@@ -1,0 +1,204 @@
+"""The whole pipeline on the embedded digits (``make demo``): ViT, VQGAN, prior, new digits.
+
+Stages, each a ``train.py`` run in its own workdir under ``--workdir`` (default ``runs/demo``):
+
+1. ``vit``: the digits classifier (``configs/vit_digits.py``), the judge of everything below.
+2. ``vqgan``: 16x16 digits <-> 4x4 code grids (``configs/vqgan_digits.py``).
+3. ``prior``: a class-conditional GPT over the codes (``configs/prior_digits.py``).
+
+Then ``--samples_per_class`` digits of every class are sampled (the config's temperature and
+top-k), decoded by the VQGAN and classified by the ViT. One table reports the ViT's test
+accuracy, the VQGAN's PSNR, codebook usage and the ViT's accuracy on its reconstructions, the
+prior's bits per token, the fraction of samples classified as their conditioning class, and
+the wall time of each stage; ``<workdir>/samples.png`` shows the samples (a row per class) and
+``<workdir>/summary.json`` holds the numbers.
+
+A stage whose workdir already holds its final checkpoint is reused, not retrained; an
+interrupted stage resumes from its last checkpoint.
+
+    .venv/bin/python demo.py [--workdir runs/demo] [--samples_per_class 50]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import logging  # noqa: E402
+
+from attnjax import checkpoint, prior  # noqa: E402
+from attnjax.tasks import prior as prior_task  # noqa: E402
+from attnjax.tasks import report  # noqa: E402
+from attnjax.tasks.loop import train_and_evaluate  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent
+STAGES = (("vit", "configs/vit_digits.py"), ("vqgan", "configs/vqgan_digits.py"),
+          ("prior", "configs/prior_digits.py"))
+
+
+def load_config(path):
+    """``get_config()`` of a config file (the ``configs/*.py`` convention)."""
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def finished_step(workdir: str) -> int | None:
+    """The latest complete checkpoint step in ``workdir`` (None when there is none)."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+    return max(steps, default=None)
+
+
+def last_eval(workdir: str) -> dict:
+    """The metrics of the run's last evaluation, from its ``metrics.jsonl``."""
+    merged: dict = {}
+    for record in report.read_metrics(workdir):
+        if any(key.startswith("eval/") for key in record):
+            merged = {**record}
+    return merged
+
+
+def run_stage(name: str, config, workdir: str, previous: dict) -> dict:
+    """Trains ``config`` in ``workdir`` unless its final checkpoint is there -> the stage record."""
+    done = finished_step(workdir)
+    if done is not None and done >= config.num_train_steps:
+        logging.info("stage %s: reusing %s (step %d)", name, workdir, done)
+        print(f"[{name}] finished run found in {workdir} (step {done}): reused, not retrained")
+        seconds = previous.get("stages", {}).get(name, {}).get("train_seconds")
+        return {"workdir": workdir, "reused": True, "train_seconds": seconds,
+                "metrics": last_eval(workdir)}
+    print(f"[{name}] training in {workdir}" + (f" (resuming from step {done})" if done else ""))
+    start = time.perf_counter()
+    metrics = train_and_evaluate(config, workdir)
+    return {"workdir": workdir, "reused": False, "train_seconds": time.perf_counter() - start,
+            "metrics": {**last_eval(workdir), **metrics}}
+
+
+def vit_inputs(images, vqgan_data, vit_data):
+    """VQGAN-space images -> the ViT's normalisation (pixels clipped to [0, 1] on the way)."""
+    pixels = np.clip(np.asarray(images) * np.asarray(vqgan_data.std) + np.asarray(vqgan_data.mean),
+                     0.0, 1.0)
+    return (pixels - np.asarray(vit_data.mean, np.float32)) / np.asarray(vit_data.std, np.float32)
+
+
+def classify(predict, images, batch_size=256):
+    return np.concatenate([np.argmax(np.asarray(predict(jnp.asarray(images[i:i + batch_size]))), -1)
+                           for i in range(0, len(images), batch_size)])
+
+
+def reconstruction_accuracy(vqgan, vit_config, predict) -> float:
+    """ViT accuracy on VQGAN reconstructions of the held-out digits."""
+    images, labels = prior_task._load_images(vqgan.config.data, vqgan.config.data.eval_split, 0)
+    model = vqgan.model
+    reconstruct = jax.jit(lambda x: model.apply(
+        vqgan.variables, model.apply(vqgan.variables, x, method=type(model).encode)[1],
+        method=type(model).decode_indices))
+    reconstructions = np.concatenate([np.asarray(reconstruct(images[i:i + 120]))
+                                      for i in range(0, len(images), 120)])
+    predicted = classify(predict, vit_inputs(reconstructions, vqgan.config.data, vit_config.data))
+    return float(np.mean(predicted == labels))
+
+
+def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_class, path):
+    """Class-conditional samples, decoded and classified: fraction classified as their class."""
+    _, params = checkpoint.load(prior_workdir)
+    model = prior_task.create_model(prior_config)
+    labels, images = prior_task.sample_grid(params, prior_config, model,
+                                            jax.random.key(prior_config.seed + 1), per_class=per_class)
+    shown = np.concatenate([images[labels == c][:10] for c in range(prior_config.num_classes)])
+    prior.save_image_grid(shown, path, nrow=10, scale=4)
+    vit_images = (np.clip(images, 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)) / \
+        np.asarray(vit_config.data.std, np.float32)
+    predicted = classify(predict, vit_images)
+    per_class_accuracy = [float(np.mean(predicted[labels == c] == c))
+                          for c in range(prior_config.num_classes)]
+    return float(np.mean(predicted == labels)), per_class_accuracy
+
+
+def format_summary(summary: dict) -> str:
+    rows = [
+        ("ViT test accuracy", f"{summary['vit_test_accuracy']:.4f}"),
+        ("VQGAN PSNR (dB, held-out)", f"{summary['vqgan_psnr']:.2f}"),
+        ("VQGAN codebook usage", f"{summary['vqgan_codebook_usage']:.3f}"),
+        ("ViT accuracy on VQGAN reconstructions", f"{summary['vit_accuracy_on_reconstructions']:.4f}"),
+        ("prior bits per token (held-out)", f"{summary['prior_bits_per_token']:.3f}"),
+        (f"samples classified as their class (n={summary['num_samples']})",
+         f"{summary['sample_class_accuracy']:.4f}"),
+    ]
+    for name, stage in summary["stages"].items():
+        seconds = stage["train_seconds"]
+        text = "n/a" if seconds is None else f"{seconds:.1f}"
+        rows.append((f"wall time: {name}" + (" (reused; from its run)" if stage["reused"] else ""),
+                     text + " s"))
+    rows.append(("wall time: sampling + classification", f"{summary['eval_seconds']:.1f} s"))
+    rows.append(("wall time: this demo run", f"{summary['total_seconds']:.1f} s"))
+    width = max(len(name) for name, _ in rows)
+    lines = ["", "attnjax demo: ViT + VQGAN + transformer prior on digits", "-" * (width + 14)]
+    lines += [f"{name:<{width}}  {value:>11}" for name, value in rows]
+    lines.append("-" * (width + 14))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="runs/demo")
+    parser.add_argument("--samples_per_class", type=int, default=50)
+    args = parser.parse_args(argv)
+    if args.samples_per_class < 1:
+        raise ValueError(f"--samples_per_class must be >= 1, got {args.samples_per_class}")
+    total_start = time.perf_counter()
+    os.makedirs(args.workdir, exist_ok=True)
+    summary_path = os.path.join(args.workdir, "summary.json")
+    previous = json.loads(pathlib.Path(summary_path).read_text()) if os.path.exists(summary_path) else {}
+
+    configs = {name: load_config(path) for name, path in STAGES}
+    workdirs = {name: os.path.join(args.workdir, name) for name, _ in STAGES}
+    configs["prior"].vqgan_workdir = workdirs["vqgan"]
+    stages = {name: run_stage(name, configs[name], workdirs[name], previous) for name, _ in STAGES}
+
+    eval_start = time.perf_counter()
+    _, predict = checkpoint.make_predict(workdirs["vit"])
+    vqgan = prior_task.load_vqgan(workdirs["vqgan"])
+    recon_accuracy = reconstruction_accuracy(vqgan, configs["vit"], predict)
+    samples_path = os.path.join(args.workdir, "samples.png")
+    sample_accuracy, per_class = sample_and_classify(
+        configs["prior"], workdirs["prior"], configs["vit"], predict, args.samples_per_class,
+        samples_path)
+    summary = {
+        "vit_test_accuracy": stages["vit"]["metrics"]["eval/accuracy"],
+        "vqgan_psnr": stages["vqgan"]["metrics"]["eval/psnr"],
+        "vqgan_codebook_usage": stages["vqgan"]["metrics"]["eval/codebook_usage"],
+        "vit_accuracy_on_reconstructions": recon_accuracy,
+        "prior_bits_per_token": stages["prior"]["metrics"]["eval/bits_per_token"],
+        "sample_class_accuracy": sample_accuracy,
+        "sample_class_accuracy_per_class": per_class,
+        "num_samples": args.samples_per_class * configs["prior"].num_classes,
+        "sampling": configs["prior"].sampling.to_dict(),
+        "samples_png": samples_path,
+        "stages": {name: {k: v for k, v in stage.items() if k != "metrics"}
+                   for name, stage in stages.items()},
+        "eval_seconds": time.perf_counter() - eval_start,
+        "total_seconds": time.perf_counter() - total_start,
+        "device": jax.devices()[0].device_kind,
+        "cpu_count": os.cpu_count(),
+    }
+    pathlib.Path(summary_path).write_text(json.dumps(summary, indent=2))
+    print(format_summary(summary))
+    print(f"samples: {samples_path}   summary: {summary_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""demo.py's stage bookkeeping: a finished stage is reused, not retrained."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import demo  # noqa: E402
+
+
+def _tiny_vit_config():
+    config = demo.load_config("configs/vit_digits.py")
+    config.model.width, config.model.depth, config.model.num_heads, config.model.mlp_dim = 16, 1, 2, 32
+    config.num_train_steps = config.log_every = config.eval_every = config.checkpoint_every = 3
+    config.eval_batch_size = 360
+    config.quiet = True
+    return config
+
+
+def test_a_finished_stage_is_reused_not_retrained(tmp_path):
+    config = _tiny_vit_config()
+    workdir = str(tmp_path / "vit")
+    assert demo.finished_step(workdir) is None
+
+    first = demo.run_stage("vit", config, workdir, previous={})
+    assert not first["reused"] and demo.finished_step(workdir) == 3
+    assert 0.0 <= first["metrics"]["eval/accuracy"] <= 1.0
+    checkpoint_files = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+    metrics_before = open(os.path.join(workdir, "metrics.jsonl")).read()
+
+    previous = {"stages": {"vit": {"train_seconds": first["train_seconds"]}}}
+    second = demo.run_stage("vit", config, workdir, previous=previous)
+    assert second["reused"]
+    assert second["train_seconds"] == first["train_seconds"], "the reused stage reports its own run's time"
+    assert second["metrics"]["eval/accuracy"] == first["metrics"]["eval/accuracy"]
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == checkpoint_files
+    assert open(os.path.join(workdir, "metrics.jsonl")).read() == metrics_before, "nothing retrained"
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="--samples_per_class"):
+        demo.main(["--samples_per_class", "0"])
