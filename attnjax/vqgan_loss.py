@@ -93,9 +93,11 @@ def generator_loss(inputs: Array, reconstructions: Array, codebook_loss: Array, 
     if discriminator is not None:
         g_of = lambda r: -jnp.mean(discriminator(r))
         g_loss = g_of(reconstructions)
-        features, kernel = last_layer
-        d_weight = adaptive_weight(last_layer_grad(nll_of, reconstructions, features, kernel),
-                                   last_layer_grad(g_of, reconstructions, features, kernel), disc_weight)
+        # The weight is a constant of the update: computing it on stopped values spares JAX
+        # from differentiating through the inner gradients.
+        rec, features, kernel = jax.lax.stop_gradient((reconstructions, *last_layer))
+        d_weight = adaptive_weight(last_layer_grad(nll_of, rec, features, kernel),
+                                   last_layer_grad(g_of, rec, features, kernel), disc_weight)
         factor = disc_factor_at(step, disc_start, disc_factor)
         loss = loss + d_weight * factor * g_loss
         log.update(g_loss=g_loss, d_weight=d_weight, disc_factor=factor)
