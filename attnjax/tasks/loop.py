@@ -119,7 +119,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                     scalars["steps_per_sec"] = timed_steps / train_time
                 writer.write(step, scalars)
                 result.update(scalars)
-                bar.set_postfix(loss=f"{logged['loss']:.4f}", refresh=False)
+                shown = "loss" if "loss" in logged else min(logged)
+                bar.set_postfix({shown: f"{logged[shown]:.4f}"}, refresh=False)
                 pending = []
             if step % config.eval_every == 0 or step == num_steps:
                 eval_metrics = evaluate(task, dp, p_eval, state, datasets, config=config,
