@@ -86,7 +86,7 @@ def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
         )
     model, variables = tasks.get_task("vqgan").inference_model(vq_config, loaded)
     step = _latest_step(workdir) if step is None else step
-    size = vq_config.data.image_size
+    size = vq_config.data.image_size or model.resolution  # image_size 0: the native size
     image = jax.ShapeDtypeStruct((1, size, size, model.in_channels), jnp.float32)
     grid = jax.eval_shape(lambda x: _encode_indices(model, variables, x), image).shape[1:]
     return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(grid))
