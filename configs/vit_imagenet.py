@@ -1,5 +1,6 @@
-"""Fine-tune a converted ViT-B/16 (e.g. timm's ImageNet-21k ``vit_base_patch16_224.augreg_in21k``,
-converted to a flat .npz with ``attnjax.torch_interop``) on ImageNet-1k at 384x384.
+"""Fine-tune a pre-trained ViT-B/16 on ImageNet-1k at 384x384. ``init_from``: a Google ViT .npz
+(e.g. the ImageNet-21k ``augreg`` checkpoints, read with ``attnjax.torch_interop.load_google_npz``)
+or a flat .npz of attnjax params (e.g. a timm model converted with ``attnjax.torch_interop``).
 
 Recipe: the ViT paper's fine-tuning setup (Dosovitskiy et al. 2021, appendix B.1.1): SGD with
 momentum 0.9, no weight decay, global-norm clipping at 1, batch 512, cosine decay with a short

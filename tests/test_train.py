@@ -292,6 +292,33 @@ def test_ema_follows_its_recurrence_and_is_used_for_eval(digits_dir):
     assert float(sums["accuracy"]) == correct
 
 
+def test_init_from_loads_weights_resizes_positions_and_keeps_a_fresh_head(tmp_path):
+    _, params = _vit_params()  # 8x8 images, patch 4: a 2x2 grid, 3 classes
+    path = str(tmp_path / "pretrained.npz")
+    np.savez(path, **{f"params/{k}": np.asarray(v) for k, v in flat(params).items()})
+    config = load_config("vit_digits")
+    config.model.update(num_classes=5, image_size=16, patch_size=4, width=8, depth=1,
+                        num_heads=2, mlp_dim=16)
+    config.init_from = path
+    model = classification.create_model(config)
+    state = classification.create_train_state(
+        jax.random.PRNGKey(1), config, model, {"image": np.zeros((2, 16, 16, 1), np.float32)})
+    got, old = flat(state.params), flat(params)
+    for key, value in old.items():
+        if key.startswith("head/"):
+            assert got[key].shape[-1] == 5
+        elif key.endswith("pos_embedding"):  # 1 + 2x2 tokens -> 1 + 4x4 tokens
+            from attnjax import positional
+            assert_close(got[key], positional.resize_position_embedding(value, (4, 4)), what=key)
+        else:
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+    np.savez(path, **{k: np.asarray(v) for k, v in flat(params).items() if "blocks_0" not in k})
+    with pytest.raises(ValueError, match="lacks .* parameter"):
+        classification.create_train_state(
+            jax.random.PRNGKey(1), config, model, {"image": np.zeros((2, 16, 16, 1), np.float32)})
+
+
 def test_unknown_model_name():
     config = load_config("vit_digits")
     config.model_name = "resnet"

@@ -44,13 +44,30 @@ def create_model(config) -> nn.Module:
     return MODELS[name](variant, **kwargs)
 
 
-def load_pretrained(config, model, params):
-    """Replaces ``params`` by the converted checkpoint at ``config.init_from`` (if set).
+def _read_params_npz(path: str, model) -> dict:
+    """Flat ``{"a/b/kernel": array}`` of attnjax ViT params from either ``.npz`` layout."""
+    with np.load(path) as npz:
+        flat = dict(npz)
+    if any(k == "embedding/kernel" or k.endswith("/embedding/kernel") for k in flat):
+        # A Google (big_vision / original ViT) checkpoint: convert its names first. The
+        # converter is numpy-only for .npz files (torch_interop imports torch lazily).
+        from attnjax import torch_interop
 
-    ``init_from`` is an ``.npz`` of Flax params flattened with "/"-joined keys
-    (``pos_embed/pos_embedding``, ``blocks_0/attn/query/kernel``, ...), e.g. a timm ViT
-    converted with ``attnjax.torch_interop``. The head is kept from ``params`` (new classes), and a position table of another
-    grid size is resized with ``attnjax.positional.resize_position_embedding``.
+        _, variables = torch_interop.load_google_npz(path, scan_layers=model.scan_layers)
+        return flax.traverse_util.flatten_dict(variables["params"], sep="/")
+    return {k.removeprefix("params/"): v for k, v in flat.items()}
+
+
+def load_pretrained(config, model, params):
+    """Replaces ``params`` by the checkpoint at ``config.init_from`` (if set).
+
+    ``init_from`` is an ``.npz`` either of attnjax params flattened with "/"-joined keys
+    (``pos_embed/pos_embedding``, ``blocks_0/attn/query/kernel``, ...; what
+    ``np.savez(path, **flax.traverse_util.flatten_dict(params, sep="/"))`` writes, e.g. after a
+    timm conversion in ``attnjax.torch_interop``), or a Google ViT checkpoint. The head stays
+    freshly initialised (new classes); a position table of another grid size is resized with
+    ``attnjax.positional.resize_position_embedding``. Any other missing or mismatched
+    parameter is an error (a silent partial load would train from scratch unnoticed).
     """
     path = config.get("init_from", "")
     if not path:
@@ -59,12 +76,14 @@ def load_pretrained(config, model, params):
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"config.init_from={path!r} does not exist.")
-    with np.load(path) as npz:
-        flat_old = dict(npz)
+    flat_old = _read_params_npz(path, model)
     flat_new = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
+    missing = sorted(k for k in flat_new if k not in flat_old and not k.startswith("head/"))
+    if missing:
+        raise ValueError(f"config.init_from={path!r} lacks {len(missing)} parameter(s) of the "
+                         f"model, e.g. {missing[:4]}; is it the same architecture?")
     for key, value in flat_new.items():
-        if key.startswith("head/") or key not in flat_old:
-            logging.info("init_from: keeping fresh %s %s", key, value.shape)
+        if key.startswith("head/"):
             continue
         old = np.asarray(flat_old[key])
         if old.shape != value.shape and key.endswith("pos_embedding"):
@@ -76,6 +95,7 @@ def load_pretrained(config, model, params):
             raise ValueError(f"config.init_from: {key} has shape {old.shape}, the model "
                              f"expects {value.shape}.")
         flat_new[key] = old.astype(value.dtype)
+    logging.info("init_from %s: loaded %d arrays, fresh head", path, len(flat_new))
     return flax.traverse_util.unflatten_dict(flat_new, sep="/")
 
 
