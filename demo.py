@@ -100,7 +100,7 @@ def classify(predict, images, batch_size=256):
 
 def reconstruction_accuracy(vqgan, vit_config, predict) -> float:
     """ViT accuracy on VQGAN reconstructions of the held-out digits."""
-    images, labels = prior_task._load_images(vqgan.config.data, vqgan.config.data.eval_split, 0)
+    images, labels = prior_task.load_images(vqgan.config.data, vqgan.config.data.eval_split, 0)
     model = vqgan.model
     reconstruct = jax.jit(lambda x: model.apply(
         vqgan.variables, model.apply(vqgan.variables, x, method=type(model).encode)[1],

@@ -238,7 +238,7 @@ def test_encode_split_caches_codes_keyed_by_the_vqgan(tiny_vqgan, tmp_path):
     codes, labels = task.encode_split(vq, "test", cache_dir=str(tmp_path))
     assert codes.shape == (360, 16) and labels.shape == (360,)
     assert codes.dtype == np.int32 and 0 <= codes.min() and codes.max() < 32
-    images, _ = task._load_images(vq.config.data, "test", 0)
+    images, _ = task.load_images(vq.config.data, "test", 0)
     direct = vq.model.apply(vq.variables, jnp.asarray(images[:5]), method=type(vq.model).encode)[1]
     np.testing.assert_array_equal(codes[:5], np.asarray(direct).reshape(5, 16))
     files = sorted(p.name for p in tmp_path.iterdir())

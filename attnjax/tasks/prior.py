@@ -113,7 +113,7 @@ def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
     return padded[pad - dy:pad - dy + height, pad - dx:pad - dx + width]
 
 
-def _load_images(data_config, split: str, shifts: int):
+def load_images(data_config, split: str, shifts: int):
     """Normalised images ``[N * (2 shifts + 1)^2, H, W, C]`` and labels of a TFDS split."""
     source = data.load_source(data_config.name, split, data_config.get("data_dir"))
     mean = np.asarray(data_config.mean, np.float32)
@@ -154,7 +154,7 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
         with np.load(path) as cached:
             logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
             return cached["codes"], cached["labels"]
-    images, labels = _load_images(data_config, split, shifts)
+    images, labels = load_images(data_config, split, shifts)
     # A closure, not a static argument: a VQGAN built from a config holds lists (unhashable).
     encode = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))
     codes = []
