@@ -125,7 +125,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     disc_opt_state = batch_stats = lpips_params = None
     if model["discriminator"] is not None:
         # A whole batch: ActNorm initialises itself from its statistics, as taming's does.
-        disc_vars = model["discriminator"].init(disc_rng, images)
+        disc_vars = jax.jit(model["discriminator"].init)(disc_rng, images)
         params["discriminator"] = disc_vars["params"]
         batch_stats = disc_vars.get("batch_stats", {})
         disc_opt_state = disc_tx.init(params["discriminator"])
@@ -287,7 +287,7 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     n = min(32, int(np.sum(batch["mask"])))
     x = jnp.asarray(batch["image"][:n])
     variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
-    rec, _ = model["autoencoder"].apply(variables, x)
+    rec, _ = jax.jit(model["autoencoder"].apply)(variables, x)
     inputs, recs = (np.asarray(_to_unit_range(a, config.data)) for a in (x, rec))
     columns = 16
     pairs = []
