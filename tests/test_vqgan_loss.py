@@ -65,6 +65,21 @@ def _nchw(x):
     return torch.from_numpy(np.ascontiguousarray(np.asarray(x).transpose(0, 3, 1, 2)))
 
 
+@functools.lru_cache(maxsize=None)
+def _generator_value_and_grad():
+    """One compilation for both steps: the step is an argument, not a constant."""
+    _, _, last, inputs, features, ours = _build("hinge")
+    bias = jnp.asarray(last.bias.detach().numpy())
+
+    def objective(kernel, step):
+        rec = jax.lax.conv_general_dilated(jnp.asarray(features), kernel, (1, 1), ((1, 1), (1, 1)),
+                                           dimension_numbers=("NHWC", "HWIO", "NHWC")) + bias
+        return vqgan_loss.generator_loss(jnp.asarray(inputs), rec, jnp.float32(0.37), step=step,
+                                         last_layer=(jnp.asarray(features), kernel), **ours)
+
+    return jax.jit(jax.value_and_grad(objective, has_aux=True))
+
+
 @pytest.mark.parametrize("step", [DISC_START - 1, DISC_START])
 def test_generator_loss_matches_taming(patched_lpips, step):
     """The generator loss does not depend on the d-loss kind: hinge only."""
@@ -76,15 +91,7 @@ def test_generator_loss_matches_taming(patched_lpips, step):
     total.backward()
 
     kernel = jnp.asarray(last.weight.detach().numpy().transpose(2, 3, 1, 0))
-    bias = jnp.asarray(last.bias.detach().numpy())
-
-    def objective(kernel):
-        rec = jax.lax.conv_general_dilated(jnp.asarray(features), kernel, (1, 1), ((1, 1), (1, 1)),
-                                           dimension_numbers=("NHWC", "HWIO", "NHWC")) + bias
-        return vqgan_loss.generator_loss(jnp.asarray(inputs), rec, jnp.float32(0.37), step=step,
-                                         last_layer=(jnp.asarray(features), kernel), **ours)
-
-    (value, ours_log), grad = jax.jit(jax.value_and_grad(objective, has_aux=True))(kernel)
+    (value, ours_log), grad = _generator_value_and_grad()(kernel, jnp.int32(step))
     assert_close(ours_log["d_weight"], log["train/d_weight"].item(), what="adaptive weight")
     assert float(ours_log["disc_factor"]) == float(log["train/disc_factor"])
     assert_close(ours_log["nll_loss"], log["train/nll_loss"].item(), what="nll loss")
