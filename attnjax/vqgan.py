@@ -27,9 +27,11 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-# GroupNorm(32, eps=1e-6) as taming's ``Normalize``. The two-pass variance matches PyTorch's
-# numerics more closely than E[x^2] - E[x]^2.
+
 def _normalize(name: str) -> nn.GroupNorm:
+    """GroupNorm(32, eps=1e-6), taming's ``Normalize``; Flax groups NHWC channels as PyTorch
+    groups NCHW ones. The two-pass variance follows PyTorch's numerics more closely than
+    E[x^2] - E[x]^2."""
     return nn.GroupNorm(num_groups=32, epsilon=1e-6, use_fast_variance=False, name=name)
 
 
