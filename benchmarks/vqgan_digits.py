@@ -34,6 +34,7 @@ VARIANTS = {
     "l2": dict(quantizer=dict(NO_OPTIONS, l2_normalize=True), reseed_threshold=0.0),
     "reseed": dict(quantizer=dict(NO_OPTIONS, usage_decay=0.95), reseed_threshold=0.03),
     "lookup8": dict(quantizer=dict(NO_OPTIONS, lookup_dim=8), reseed_threshold=0.0),
+    "l2_lookup8": dict(quantizer=dict(NO_OPTIONS, l2_normalize=True, lookup_dim=8), reseed_threshold=0.0),
     "ema": dict(quantizer=dict(NO_OPTIONS, ema_decay=0.95), reseed_threshold=0.0),
     "l2_reseed": dict(),  # the config's default
     "l2_reseed_gan": dict(loss=dict(disc_weight=0.8, disc_start_fraction=0.5)),
@@ -105,10 +106,13 @@ def main():
                 workdir, args.vit_workdir)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(exist_ok=True)
-    with open(results / "vqgan_digits.json", "w") as f:
-        json.dump(rows, f, indent=1)
+    path = ROOT / "benchmarks" / "results" / "vqgan_digits.json"
+    path.parent.mkdir(exist_ok=True)
+    # Rows of earlier invocations are kept unless this one re-ran the same variant and steps.
+    previous = json.loads(path.read_text()) if path.exists() else []
+    done = {(r["variant"], r["steps"]) for r in rows}
+    rows = [r for r in previous if (r["variant"], r["steps"]) not in done] + rows
+    path.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
