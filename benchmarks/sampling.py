@@ -32,7 +32,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from attnjax import prior, torch_interop  # noqa: E402

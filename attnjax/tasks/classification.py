@@ -10,14 +10,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 
 from attnjax import vit
@@ -26,12 +24,7 @@ from attnjax.tasks import optim
 MODELS = {"vit": vit.create_vit}
 
 
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    ema_params: Any = None
+TrainState = optim.TrainState
 
 
 def create_model(config) -> nn.Module:
@@ -120,19 +113,8 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
         return loss.mean(), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    metrics = {"loss": loss, "accuracy": accuracy}
-    if axis_name is not None:
-        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = jax.tree.map(jnp.add, state.params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    metrics["learning_rate"] = optim.learning_rate_at(config, state.step)
-    ema = state.ema_params
-    if ema is not None:
-        ema = optim.ema_update(ema, params, config.ema_decay)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         ema_params=ema), metrics
+    metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
+    return optim.apply_gradients(state, grads, metrics, config=config, tx=tx, axis_name=axis_name)
 
 
 def eval_step(state: TrainState, batch, *, config, model):

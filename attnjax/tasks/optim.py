@@ -15,6 +15,9 @@ Config fields (all top level, so ``--config.learning_rate=1e-3`` works)::
 """
 from __future__ import annotations
 
+from typing import Any
+
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -77,6 +80,36 @@ def make_optimizer(config, learning_rate: float | None = None,
     if accum > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accum)
     return tx
+
+
+@flax.struct.dataclass
+class TrainState:
+    """State of a one-model, one-optimiser task (classification, prior)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    ema_params: Any = None
+
+
+def apply_gradients(state: TrainState, grads, metrics: dict, *, config, tx, axis_name=None):
+    """One optimiser step from ``grads``; returns ``(new_state, metrics)``.
+
+    Under pmap (``axis_name`` set) gradients and metrics are first averaged over the devices, so
+    every replica applies the same update. Adds ``grad_norm`` and ``learning_rate`` to the
+    metrics and advances the parameter EMA when the state keeps one.
+    """
+    if axis_name is not None:
+        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads),
+                   learning_rate=learning_rate_at(config, state.step))
+    ema = state.ema_params
+    if ema is not None:
+        ema = ema_update(ema, params, config.ema_decay)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         ema_params=ema), metrics
 
 
 def ema_update(ema_params, params, decay: float):

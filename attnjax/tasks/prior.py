@@ -37,7 +37,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 from tqdm import tqdm
 
@@ -45,12 +44,7 @@ from attnjax import checkpoint, data, prior
 from attnjax.tasks import optim
 
 
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    ema_params: Any = None
+TrainState = optim.TrainState
 
 
 class TrainedVQGAN(NamedTuple):
@@ -290,18 +284,10 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == codes)}
-    if axis_name is not None:
-        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    state, metrics = optim.apply_gradients(state, grads, metrics, config=config, tx=tx,
+                                           axis_name=axis_name)
     metrics["bits_per_token"] = prior.bits_per_token(metrics["loss"])
-    metrics["grad_norm"] = optax.global_norm(grads)
-    metrics["learning_rate"] = optim.learning_rate_at(config, state.step)
-    ema = state.ema_params
-    if ema is not None:
-        ema = optim.ema_update(ema, params, config.ema_decay)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         ema_params=ema), metrics
+    return state, metrics
 
 
 def _eval_params(state: TrainState):
