@@ -16,6 +16,7 @@ are derived from ``(seed, step)``), so it continues exactly where it stopped.
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import os
 from typing import Any
 
@@ -149,8 +150,17 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
     directory = _checkpoint_dir(workdir, best=best)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoints under {directory!r}.")
-    with ocp.CheckpointManager(directory, item_names=("state",),
-                               options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+    # read_only guards the run against accidental writes; Orbax warns about it on every open,
+    # which is noise for a reader, so its logger is quieted for this block only.
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    absl_logger = std_logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(std_logging.ERROR)
+    try:
+        manager = ocp.CheckpointManager(directory, item_names=("state",), options=options)
+    finally:
+        absl_logger.setLevel(level)
+    with manager:
         if step is None:
             step = manager.best_step() if best else manager.latest_step()
         if step is None:
