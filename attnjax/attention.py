@@ -15,9 +15,7 @@ scores (``-inf`` entries mask a key out). ``is_causal`` is PyTorch's top-left al
 The fused path is ``jax.nn.dot_product_attention`` (cuDNN flash attention on a GPU for
 float16/bfloat16 when it supports the shapes, XLA otherwise); the explicit einsum + softmax path
 runs when the attention weights or dropout are requested, or when ``Ev != E`` (the fused kernels
-need one head size for keys and values). With ``implementation=None`` on a CPU backend the
-explicit path runs too: XLA:CPU's ``dot_product_attention`` measured 1.03-1.6x slower than the
-explicit einsums here, forward and backward, causal or not (``benchmarks/attention.py``).
+need one head size for keys and values).
 """
 from __future__ import annotations
 
@@ -214,8 +212,8 @@ def dot_product_attention(
       scale: score scale, default ``1 / sqrt(E)``.
       dropout_rate, dropout_rng: dropout on the attention weights (explicit path).
       return_weights: also return the weights ``[batch, heads, L, S]`` (after dropout, as PyTorch).
-      implementation: None (cuDNN when supported on a GPU, explicit on a CPU, else XLA), "xla",
-        "cudnn" or "explicit" (einsum + softmax). Weights, dropout and ``Ev != E`` always use "explicit".
+      implementation: None (cuDNN when supported on a GPU, else XLA), "xla", "cudnn" or
+        "explicit" (einsum + softmax). Weights, dropout and ``Ev != E`` always use "explicit".
 
     Returns:
       ``[batch, L, heads, Ev]``, or ``(out, weights)``. Rows whose keys are all masked are zeros.
@@ -246,11 +244,7 @@ def dot_product_attention(
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
 
     explicit = (
-        return_weights
-        or dropout_rate > 0.0
-        or value.shape[-1] != depth
-        or implementation == "explicit"
-        or (implementation is None and jax.default_backend() == "cpu")
+        return_weights or dropout_rate > 0.0 or value.shape[-1] != depth or implementation == "explicit"
     )
     keep, bias = _split_mask(mask)
     # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked blocks);
