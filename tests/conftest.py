@@ -12,6 +12,16 @@ from attnjax import torch_interop
 torch_interop.ensure_torchvision_importable()
 
 
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory):
+    """A TFDS data dir holding the embedded digits, prepared once for the whole session."""
+    from attnjax import data
+
+    path = str(tmp_path_factory.mktemp("tfds"))
+    data.load_source("digits", "train", path)  # prepares both splits
+    return path
+
+
 @pytest.fixture
 def np_rng():
     return np.random.default_rng(0)

@@ -18,13 +18,6 @@ def load_config(name):
     return module.get_config()
 
 
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    data.load_source("digits", "train", path)  # prepares both splits
-    return path
-
-
 @pytest.fixture
 def digits_config(digits_dir):
     config = load_config("vit_digits")

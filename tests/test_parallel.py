@@ -75,13 +75,6 @@ EIGHT_DEVICES = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    data.load_source("digits", "train", path)
-    return path
-
-
 def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}

@@ -25,13 +25,6 @@ from attnjax.tasks import classification, get_task, optim
 from attnjax.tasks.loop import train_and_evaluate
 
 
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    data.load_source("digits", "train", path)
-    return path
-
-
 def tiny(config, **overrides):
     config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32)
     config.update(dict(batch_size=16, eval_batch_size=40, warmup_steps=2, log_every=2,

@@ -18,13 +18,6 @@ from attnjax.tasks import vqgan as vqgan_task
 from attnjax.tasks.loop import train_and_evaluate
 
 
-@pytest.fixture(scope="module")
-def digits_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tfds"))
-    data.load_source("digits", "train", path)
-    return path
-
-
 def tiny(data_dir, **overrides):
     config = load_config("vqgan_digits")
     config.data.data_dir = data_dir
