@@ -7,14 +7,19 @@ the two images are subtracted, squared, weighted per channel by a learned 1x1 co
 ``lin4``), averaged over space and summed over taps.
 
 Weights: VGG16 from torchvision (the user downloads ``vgg16-397923af.pth``) and the linear
-layers shipped inside the ``lpips`` package (``lpips/weights/v0.1/vgg.pth``), converted with
-``attnjax.torch_interop.lpips_from_torch``.
+layers shipped inside the ``lpips`` package (``lpips/weights/v0.1/vgg.pth``), converted once
+(``python -m attnjax.convert.lpips VGG.pth LIN.pth OUT.npz``) into a numpy file that
+``load_variables`` reads without torch.
 """
 from __future__ import annotations
 
+import os
+
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -77,3 +82,29 @@ class LPIPS(nn.Module):
             weighted = nn.Conv(1, (1, 1), use_bias=False, name=f"lin{k}")(diff)
             distance = distance + jnp.mean(weighted, axis=(1, 2, 3))
         return distance
+
+
+def save_variables(variables, path) -> str:
+    """Write LPIPS variables to ``path`` (.npz), keys as ``/``-joined paths (``params/net/...``)."""
+    flat = flax.traverse_util.flatten_dict(jax.device_get(variables), sep="/")
+    path = os.fspath(path)
+    np.savez(path, **{key: np.asarray(value, np.float32) for key, value in flat.items()})
+    return path
+
+
+def load_variables(path) -> dict:
+    """Read LPIPS variables written by ``save_variables``; checks every expected array and shape."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"LPIPS weights: no file {path!r} (convert them once with python -m attnjax.convert.lpips)")
+    with np.load(path, allow_pickle=False) as arrays:
+        flat = {key: arrays[key] for key in arrays.files}
+    expected = jax.eval_shape(LPIPS().init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16, 16, 3)))
+    expected = flax.traverse_util.flatten_dict(expected, sep="/")
+    missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"LPIPS weights {path!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for key, spec in expected.items():
+        if flat[key].shape != spec.shape:
+            raise ValueError(f"LPIPS weights {path!r}: {key} has shape {flat[key].shape}, expected {spec.shape}")
+    return flax.traverse_util.unflatten_dict({key: jnp.asarray(value) for key, value in flat.items()}, sep="/")
