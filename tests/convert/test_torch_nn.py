@@ -1,5 +1,4 @@
-"""attnjax.torch_interop: the shared layer helpers and mha_from_torch, against PyTorch itself."""
-import flax.linen as nn
+"""attnjax.convert.torch_nn: nn.MultiheadAttention weights and masks, against PyTorch itself."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,95 +6,8 @@ import pytest
 import torch
 from conftest import assert_close
 
-from attnjax import torch_interop
+from attnjax.convert.torch_nn import mha_from_torch, mha_mask_from_torch
 
-
-def nchw(x):
-    return torch.tensor(np.ascontiguousarray(np.transpose(x, (0, 3, 1, 2))))
-
-
-def to_nhwc(t):
-    return t.detach().numpy().transpose(0, 2, 3, 1)
-
-
-# --------------------------------------------------------------------------------------------
-# Layer helpers
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_linear(bias):
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(5, 3, bias=bias)
-    x = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
-    params = torch_interop.linear(layer.state_dict(), "")
-    ours = nn.Dense(3, use_bias=bias).apply({"params": params}, x)
-    assert_close(ours, layer(torch.tensor(x)).detach().numpy(), what="Linear")
-
-
-def test_conv2d():
-    torch.manual_seed(0)
-    layer = torch.nn.Conv2d(3, 5, kernel_size=3, stride=2, padding=1)
-    x = np.random.default_rng(1).normal(size=(2, 9, 9, 3)).astype(np.float32)
-    params = torch_interop.conv2d({"conv." + k: v for k, v in layer.state_dict().items()}, "conv")
-    ours = nn.Conv(5, (3, 3), strides=2, padding=((1, 1), (1, 1))).apply({"params": params}, x)
-    assert_close(ours, to_nhwc(layer(nchw(x))), what="Conv2d")
-
-
-def test_layer_norm_group_norm_batch_norm_embedding():
-    torch.manual_seed(0)
-    rng = np.random.default_rng(2)
-    x = rng.normal(size=(2, 4, 4, 6)).astype(np.float32)
-
-    ln = torch.nn.LayerNorm(6)
-    with torch.no_grad():
-        ln.weight.normal_(), ln.bias.normal_()
-    ours = nn.LayerNorm(epsilon=1e-5).apply({"params": torch_interop.layer_norm(ln.state_dict(), "")}, x)
-    assert_close(ours, ln(torch.tensor(x)).detach().numpy(), rtol=1e-5, atol=1e-5, what="LayerNorm")
-
-    gn = torch.nn.GroupNorm(3, 6)
-    with torch.no_grad():
-        gn.weight.normal_(), gn.bias.normal_()
-    ours = nn.GroupNorm(num_groups=3, epsilon=1e-5).apply(
-        {"params": torch_interop.group_norm(gn.state_dict(), "")}, x
-    )
-    assert_close(ours, to_nhwc(gn(nchw(x))), rtol=1e-5, atol=1e-5, what="GroupNorm")
-
-    bn = torch.nn.BatchNorm2d(6)
-    with torch.no_grad():
-        bn.weight.normal_(), bn.bias.normal_(), bn.running_mean.normal_(), bn.running_var.uniform_(0.5, 2)
-    bn.eval()
-    params, stats = torch_interop.batch_norm(bn.state_dict(), "")
-    ours = nn.BatchNorm(use_running_average=True, epsilon=1e-5).apply({"params": params, "batch_stats": stats}, x)
-    assert_close(ours, to_nhwc(bn(nchw(x))), rtol=1e-5, atol=1e-5, what="BatchNorm2d (eval)")
-
-    emb = torch.nn.Embedding(7, 3)
-    ids = np.array([[0, 6, 2]])
-    ours = nn.Embed(7, 3).apply({"params": torch_interop.embedding(emb.state_dict(), "")}, ids)
-    assert_close(ours, emb(torch.tensor(ids)).detach().numpy(), what="Embedding")
-
-
-def test_load_state_dict_sources(tmp_path):
-    layer = torch.nn.Linear(2, 2)
-    expected = {k: v.numpy() for k, v in layer.state_dict().items()}
-    torch.save({"state_dict": layer.state_dict()}, tmp_path / "wrapped.pt")
-    from safetensors.torch import save_file
-
-    save_file(layer.state_dict(), str(tmp_path / "w.safetensors"))
-    for source in (layer, layer.state_dict(), tmp_path / "wrapped.pt", str(tmp_path / "w.safetensors")):
-        loaded = torch_interop.load_state_dict(source)
-        assert loaded.keys() == expected.keys()
-        for key in expected:
-            np.testing.assert_array_equal(loaded[key], expected[key])
-    with pytest.raises(FileNotFoundError, match="no checkpoint file"):
-        torch_interop.load_state_dict(tmp_path / "missing.pt")
-    with pytest.raises(KeyError, match="state dict has no key 'fc.weight'"):
-        torch_interop.linear({}, "fc")
-
-
-# --------------------------------------------------------------------------------------------
-# mha_from_torch
-# --------------------------------------------------------------------------------------------
 
 E, HEADS, B, L, S = 8, 2, 2, 5, 6
 
@@ -147,7 +59,7 @@ CASES = [
 def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_first, cross, mask_kind):
     rng = np.random.default_rng(3)
     module = make_torch_mha(bias, kdim, vdim, batch_first)
-    flax_module, variables = torch_interop.mha_from_torch(module)
+    flax_module, variables = mha_from_torch(module)
     query = rng.normal(size=(B, L, E)).astype(np.float32)
     if cross:
         key = rng.normal(size=(B, S, kdim or E)).astype(np.float32)
@@ -171,7 +83,7 @@ def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_fi
     (out * torch.tensor(cotangent)).sum().backward()
 
     # attnjax, batch-first, with the translated mask
-    mask = torch_interop.mha_mask_from_torch(attn_mask, key_padding_mask, num_heads=HEADS)
+    mask = mha_mask_from_torch(attn_mask, key_padding_mask, num_heads=HEADS)
     apply = jax.jit(lambda v, *qkv: flax_module.apply(v, *qkv, mask=mask, return_weights=True))
     ours, our_weights = apply(variables, query, key, value)
     assert_close(ours, out.detach().numpy(), what="MHA output")
@@ -202,24 +114,24 @@ def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_fi
 
 def test_mha_from_torch_carries_dropout_and_rejects_extra_kv():
     module = torch.nn.MultiheadAttention(E, HEADS, dropout=0.1)
-    flax_module, _ = torch_interop.mha_from_torch(module)
+    flax_module, _ = mha_from_torch(module)
     assert flax_module.dropout_rate == pytest.approx(0.1) and flax_module.num_heads == HEADS
     for kwargs in ({"add_bias_kv": True}, {"add_zero_attn": True}):
         with pytest.raises(NotImplementedError, match="add_bias_kv=True / add_zero_attn=True"):
-            torch_interop.mha_from_torch(torch.nn.MultiheadAttention(E, HEADS, **kwargs))
+            mha_from_torch(torch.nn.MultiheadAttention(E, HEADS, **kwargs))
 
 
 def test_mha_mask_from_torch_conventions():
     blocked = torch.tensor([[False, True], [False, False]])
-    np.testing.assert_array_equal(torch_interop.mha_mask_from_torch(blocked, num_heads=2), [[1, 0], [1, 1]])
+    np.testing.assert_array_equal(mha_mask_from_torch(blocked, num_heads=2), [[1, 0], [1, 1]])
     padding = torch.tensor([[False, True]])
-    combined = torch_interop.mha_mask_from_torch(blocked, padding, num_heads=2)
+    combined = mha_mask_from_torch(blocked, padding, num_heads=2)
     assert combined.shape == (1, 1, 2, 2)
     np.testing.assert_array_equal(combined[0, 0], [[1, 0], [1, 0]])
-    additive = torch_interop.mha_mask_from_torch(torch.zeros(2, 2), padding, num_heads=2)
+    additive = mha_mask_from_torch(torch.zeros(2, 2), padding, num_heads=2)
     np.testing.assert_array_equal(additive[0, 0], [[0, -np.inf], [0, -np.inf]])
-    assert torch_interop.mha_mask_from_torch(num_heads=2) is None
+    assert mha_mask_from_torch(num_heads=2) is None
     with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 2, 2\) must be \[L, S\] or \[batch \* num_heads"):
-        torch_interop.mha_mask_from_torch(torch.zeros(3, 2, 2), num_heads=2)
+        mha_mask_from_torch(torch.zeros(3, 2, 2), num_heads=2)
     with pytest.raises(ValueError, match=r"key_padding_mask must be \[batch, S\]"):
-        torch_interop.mha_mask_from_torch(key_padding_mask=torch.zeros(2), num_heads=2)
+        mha_mask_from_torch(key_padding_mask=torch.zeros(2), num_heads=2)

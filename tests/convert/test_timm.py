@@ -1,4 +1,5 @@
-"""ViT weight conversion: timm's VisionTransformer, state-dict files, Google .npz checkpoints.
+"""attnjax.convert.timm: timm's VisionTransformer (module, state dict, files) and the reference
+PyTorch ViT layout.
 
 timm is imported for real (conftest makes torchvision importable next to the CPU torch); a failed
 import fails these tests instead of skipping them.
@@ -15,7 +16,8 @@ import torch
 from conftest import assert_close
 from timm.models import vision_transformer as timm_vit
 
-from attnjax import torch_interop, vit
+from attnjax import vit
+from attnjax.convert.timm import vit_from_timm, vit_from_torch_reference
 
 
 def _timm_vit(seed=0, **kwargs):
@@ -51,7 +53,7 @@ def test_vit_tiny_patch16_224_matches_timm():
         for param in reference.parameters():
             param.add_(0.02 * torch.randn_like(param))
     reference.eval()
-    model, variables = torch_interop.vit_from_timm(reference)
+    model, variables = vit_from_timm(reference)
     assert (model.width, model.depth, model.num_heads, model.mlp_dim, model.num_classes) == (192, 12, 3, 768, 1000)
     assert model.layer_norm_eps == 1e-6 and model.pool == "cls"
     images = _images(2, 224)
@@ -73,7 +75,7 @@ def test_vit_tiny_patch16_224_matches_timm():
 )
 def test_logits_match_timm(kwargs, size):
     reference = _timm_vit(**kwargs)
-    model, variables = torch_interop.vit_from_timm(reference)
+    model, variables = vit_from_timm(reference)
     assert model.pool == ("gap" if kwargs.get("global_pool") == "avg" else "cls")
     images = _images(3, size, seed=1)
     assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"timm {kwargs} logits")
@@ -81,7 +83,7 @@ def test_logits_match_timm(kwargs, size):
 
 def test_scan_layers_with_converted_weights_matches_timm():
     reference = _timm_vit(depth=3)
-    model, variables = torch_interop.vit_from_timm(reference, scan_layers=True)
+    model, variables = vit_from_timm(reference, scan_layers=True)
     assert model.scan_layers and variables["params"]["blocks"]["norm1"]["scale"].shape == (3, 24)
     images = _images(2, 16, seed=2)
     assert_close(_logits(model, variables, images), _timm_logits(reference, images), what="scanned logits")
@@ -97,8 +99,8 @@ def test_state_dict_files(tmp_path, fmt):
         path = tmp_path / "vit.pth"
         torch.save({"state_dict": reference.state_dict()}, path)
     with pytest.raises(ValueError, match="pass num_heads="):
-        torch_interop.vit_from_timm(path)
-    model, variables = torch_interop.vit_from_timm(path, num_heads=3)
+        vit_from_timm(path)
+    model, variables = vit_from_timm(path, num_heads=3)
     assert (model.pool, model.image_size) == ("gap", (16, 16))
     images = _images(2, 16, seed=3)
     assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"{fmt} logits")
@@ -114,82 +116,20 @@ def test_checkpoint_with_code_is_refused(tmp_path):
     with open(path, "wb") as f:
         torch.save({"state_dict": _NotWeights()}, f)
     with pytest.raises(pickle.UnpicklingError):
-        torch_interop.vit_from_timm(path, num_heads=3)
+        vit_from_timm(path, num_heads=3)
 
 
 def test_unsupported_timm_parts_raise():
     with pytest.raises(ValueError, match=r"ls1\.gamma"):
-        torch_interop.vit_from_timm(_timm_vit(init_values=1e-5))
+        vit_from_timm(_timm_vit(init_values=1e-5))
     with pytest.raises(ValueError, match="global_pool='max'"):
-        torch_interop.vit_from_timm(_timm_vit(global_pool="max"))
+        vit_from_timm(_timm_vit(global_pool="max"))
 
 
-def _write_and_check_timm_reads_it(path, model, variables, timm_kwargs, images):
-    """timm's own Google .npz reader is an independent check of the layout we write."""
-    reader = _timm_vit(seed=7, **timm_kwargs)
-    timm_vit._load_weights(reader, str(path))
-    assert_close(_timm_logits(reader.eval(), images), _logits(model, variables, images), what=f"timm reads {path.name}")
-
-
-@pytest.mark.parametrize(
-    "layout, timm_kwargs, scan",
-    [("vision_transformer", {}, False), ("big_vision", dict(no_embed_class=True), True)],
-)
-def test_google_npz_round_trip(tmp_path, layout, timm_kwargs, scan):
-    reference = _timm_vit(**timm_kwargs)
-    model, variables = torch_interop.vit_from_timm(reference, scan_layers=scan)
-    path = torch_interop.save_google_npz(tmp_path / f"{layout}.npz", model, variables, layout=layout)
-    with np.load(path) as archive:
-        keys = set(archive.files)
-    if layout == "vision_transformer":
-        assert "Transformer/encoderblock_1/MultiHeadDotProductAttention_1/query/kernel" in keys
-        assert "Transformer/posembed_input/pos_embedding" in keys
-    else:
-        assert "Transformer/encoderblock/MlpBlock_0/Dense_0/kernel" in keys and "pos_embedding" in keys
-    loaded, loaded_variables = torch_interop.load_google_npz(path)
-    assert (loaded.num_heads, loaded.depth, loaded.no_embed_class) == (3, 2, layout == "big_vision")
-    images = _images(2, 16, seed=4)
-    expected = _timm_logits(reference, images)
-    assert_close(_logits(loaded, loaded_variables, images), expected, what=f"{layout} npz logits")
-    _write_and_check_timm_reads_it(path, loaded, loaded_variables, timm_kwargs, images)
-
-
-def test_google_npz_with_params_prefix(tmp_path):
-    model, variables = torch_interop.vit_from_timm(_timm_vit(depth=3))
-    path = torch_interop.save_google_npz(tmp_path / "vit.npz", model, variables)
-    with np.load(path) as archive:
-        np.savez(tmp_path / "prefixed.npz", **{f"params/{k}": archive[k] for k in archive.files})
-    loaded, loaded_variables = torch_interop.load_google_npz(tmp_path / "prefixed.npz")
-    assert loaded.depth == 3
-    images = _images(2, 16, seed=5)
-    assert_close(_logits(loaded, loaded_variables, images), _logits(model, variables, images), what="prefixed")
-
-
-def test_google_npz_fine_tuning_overrides(tmp_path):
-    model, variables = torch_interop.vit_from_timm(_timm_vit())
-    path = torch_interop.save_google_npz(tmp_path / "vit.npz", model, variables)
-    tuned, tuned_variables = torch_interop.load_google_npz(path, image_size=24, num_classes=7, scan_layers=True)
-    params = tuned_variables["params"]
-    assert params["pos_embed"]["pos_embedding"].shape == (1, 1 + 6 * 6, 24)
-    assert_close(params["pos_embed"]["pos_embedding"][:, 0], variables["params"]["pos_embed"]["pos_embedding"][:, 0],
-                 what="class token position is kept")
-    assert params["head"]["kernel"].shape == (24, 7) and not np.any(params["head"]["kernel"])
-    assert _logits(tuned, tuned_variables, _images(1, 24)).shape == (1, 7)
-
-
-def test_google_npz_bad_files(tmp_path):
-    np.savez(tmp_path / "other.npz", weights=np.zeros(3))
-    with pytest.raises(ValueError, match="no 'embedding/kernel'"):
-        torch_interop.load_google_npz(tmp_path / "other.npz")
-    model, variables = torch_interop.vit_from_timm(_timm_vit(global_pool="avg"))
-    with pytest.raises(ValueError, match="no fc_norm"):
-        torch_interop.save_google_npz(tmp_path / "gap.npz", model, variables)
-
-
-def test_seed_layout_state_dict_needs_heads():
+def test_torch_reference_state_dict_needs_heads():
     state = {"patch_embed.weight": torch.zeros(8, 48)}
     with pytest.raises(ValueError, match="pass num_heads="):
-        torch_interop.vit_from_seed_layout(state)
+        vit_from_torch_reference(state)
 
 
 @pytest.mark.parametrize("variant, timm_name", [("Ti/16", "vit_tiny_patch16_224"), ("L/16", "vit_large_patch16_224")])

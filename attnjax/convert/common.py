@@ -1,0 +1,264 @@
+"""What every converter shares: loading a state dict safely, the layer converters, key tables.
+
+The layer converters turn one PyTorch layer's tensors into the matching Flax parameter dict:
+
+    =============  =========================  ==========================================
+    PyTorch        PyTorch layout             Flax layout
+    =============  =========================  ==========================================
+    Linear.weight  [out, in]                  Dense.kernel [in, out]          (transpose)
+    Conv2d.weight  [out, in, kh, kw]          Conv.kernel  [kh, kw, in, out]  (permute)
+    LayerNorm      weight, bias               LayerNorm scale, bias
+    GroupNorm      weight, bias               GroupNorm scale, bias
+    BatchNorm2d    weight, bias, running_*    BatchNorm scale, bias; batch_stats mean, var
+    Embedding      weight [num, dim]          Embed.embedding [num, dim]
+    =============  =========================  ==========================================
+
+A key table lists ``(torch module pattern, flax path, layer converter)`` rows; ``apply_key_table``
+converts a whole state dict with one and refuses keys no row converted, so a checkpoint with parts
+the Flax model lacks fails loudly instead of loading half its weights. torch is imported only
+inside functions: it is a development extra, and the Google ``.npz`` reader needs none of it.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+StateDict = Mapping[str, Any]
+# (regex over a torch module prefix or parameter key, flax path with \1-style group references
+# and "/" separators, converter(state, prefix) -> params dict, (params, batch_stats) or array)
+KeyTable = Sequence[tuple[str, str, Callable]]
+
+
+def to_numpy(value) -> np.ndarray:
+    """A torch tensor (any device, with or without grad) or array-like -> float32/int numpy array."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if value.dtype.is_floating_point:
+            value = value.float()
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def load_state_dict(source) -> dict[str, np.ndarray]:
+    """A state dict as ``{key: numpy array}`` from a module, a mapping, or a file.
+
+    Files are ``.safetensors`` (read with safetensors) or anything ``torch.save`` wrote, read with
+    ``torch.load(weights_only=True)`` so that no arbitrary pickle is ever executed. A checkpoint
+    that wraps its weights (``{"state_dict": ...}``, ``{"model": ...}``) is unwrapped.
+    """
+    if hasattr(source, "state_dict") and callable(source.state_dict):
+        source = source.state_dict()
+    elif isinstance(source, (str, pathlib.Path)):
+        path = pathlib.Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"load_state_dict: no checkpoint file at {str(path)!r}")
+        if path.suffix == ".safetensors":
+            from safetensors.numpy import load_file
+
+            return dict(load_file(str(path)))
+        import torch
+
+        source = torch.load(str(path), map_location="cpu", weights_only=True)
+    if not isinstance(source, Mapping):
+        raise TypeError(
+            f"load_state_dict: expected a torch module, a mapping or a checkpoint path, "
+            f"got {type(source).__name__}"
+        )
+    for wrapper in ("state_dict", "model", "module"):
+        if wrapper in source and isinstance(source[wrapper], Mapping):
+            source = source[wrapper]
+            break
+    return {key: to_numpy(value) for key, value in source.items()}
+
+
+def take(state: StateDict, prefix: str, name: str, required: bool = True):
+    """``state[prefix.name]`` as numpy; a missing required key raises a KeyError naming it."""
+    key = f"{prefix}.{name}" if prefix else name
+    if key not in state:
+        if required:
+            raise KeyError(f"state dict has no key {key!r} (needed for {prefix or 'root'})")
+        return None
+    return to_numpy(state[key])
+
+
+def parameter(state: StateDict, key: str) -> np.ndarray:
+    """A bare ``nn.Parameter`` (``cls_token``, ``pos_embed``) at ``key``, unchanged."""
+    return take(state, "", key)
+
+
+def linear(state: StateDict, prefix: str) -> dict:
+    """``nn.Linear`` at ``prefix`` -> ``nn.Dense`` params: kernel [in, out], optional bias."""
+    params = {"kernel": take(state, prefix, "weight").T}
+    bias = take(state, prefix, "bias", required=False)
+    if bias is not None:
+        params["bias"] = bias
+    return params
+
+
+def conv2d(state: StateDict, prefix: str) -> dict:
+    """``nn.Conv2d`` at ``prefix`` -> ``nn.Conv`` params: kernel [kh, kw, in, out], optional bias."""
+    params = {"kernel": take(state, prefix, "weight").transpose(2, 3, 1, 0)}
+    bias = take(state, prefix, "bias", required=False)
+    if bias is not None:
+        params["bias"] = bias
+    return params
+
+
+def layer_norm(state: StateDict, prefix: str) -> dict:
+    """``nn.LayerNorm`` / ``nn.GroupNorm`` (affine) at ``prefix`` -> Flax ``scale``, ``bias``."""
+    return {"scale": take(state, prefix, "weight"), "bias": take(state, prefix, "bias")}
+
+
+group_norm = layer_norm
+
+
+def batch_norm(state: StateDict, prefix: str) -> tuple[dict, dict]:
+    """``nn.BatchNorm2d`` at ``prefix`` -> (params ``scale``/``bias``, batch_stats ``mean``/``var``)."""
+    params = {"scale": take(state, prefix, "weight"), "bias": take(state, prefix, "bias")}
+    stats = {"mean": take(state, prefix, "running_mean"), "var": take(state, prefix, "running_var")}
+    return params, stats
+
+
+def embedding(state: StateDict, prefix: str) -> dict:
+    """``nn.Embedding`` at ``prefix`` -> ``nn.Embed`` params: embedding [num, dim]."""
+    return {"embedding": take(state, prefix, "weight")}
+
+
+class _RecordingState(Mapping):
+    """A state dict that remembers which keys were read, so leftovers (unsupported parts) show."""
+
+    def __init__(self, state: Mapping):
+        self._state, self.read = state, set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return self._state[key]
+
+    def __contains__(self, key):
+        return key in self._state
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self):
+        return len(self._state)
+
+
+def _place(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    if isinstance(value, dict):
+        tree.setdefault(leaf, {}).update(value)
+    else:
+        tree[leaf] = value
+
+
+def apply_key_table(
+    state: StateDict, table: KeyTable, where: str, skip: str | None = None
+) -> dict[str, dict]:
+    """Convert ``state`` with ``table`` -> ``{"params": ...}`` (plus ``"batch_stats"`` if any).
+
+    Each key is matched, in table order, against ``pattern`` (a module prefix followed by one
+    ``.leaf``, or a whole parameter key); the first matching row converts that module once with
+    ``converter(state, prefix)`` and puts the result at the expanded flax path. Keys that match
+    ``skip`` (a regex searched in the key) are bookkeeping and ignored. A key no converter read
+    raises a ValueError naming it: the checkpoint has parts the Flax model does not.
+    """
+    recording = _RecordingState(state)
+    variables: dict[str, dict] = {"params": {}}
+    converted: set[str] = set()
+    for key in state:
+        if skip and re.search(skip, key):
+            continue
+        for pattern, path, convert in table:
+            match = re.fullmatch(rf"{pattern}(?P<_leaf>\.[^.]+)?", key)
+            if match is None:
+                continue
+            prefix = key[: match.start("_leaf")] if match.group("_leaf") else key
+            if prefix not in converted:
+                converted.add(prefix)
+                result = convert(recording, prefix)
+                flax_path = match.expand(path)
+                if isinstance(result, tuple):
+                    _place(variables["params"], flax_path, result[0])
+                    _place(variables.setdefault("batch_stats", {}), flax_path, result[1])
+                else:
+                    _place(variables["params"], flax_path, result)
+            break
+    unread = sorted(k for k in state if k not in recording.read and not (skip and re.search(skip, k)))
+    if unread:
+        raise ValueError(f"{where}: keys not converted (parts the Flax model does not have): {unread[:8]}")
+    return variables
+
+
+def check_against_init(module, variables: dict, example, where: str) -> None:
+    """Every converted leaf must exist in ``module.init`` with the same shape, and vice versa."""
+    import jax
+
+    expected = jax.eval_shape(lambda x: module.init(jax.random.PRNGKey(0), x), example)
+    expected = {
+        jax.tree_util.keystr(path): leaf.shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(expected)
+        if jax.tree_util.keystr(path[:1]) != "['vq_state']"
+    }
+    got = {jax.tree_util.keystr(path): np.shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = sorted(k for k in set(got) & set(expected) if got[k] != tuple(expected[k]))
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{where}: the state dict does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shapes {[(k, got[k], expected[k]) for k in wrong[:5]]}"
+        )
+
+
+def as_pair(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+
+
+def square_grid(tokens: int, prefix_tokens: int, where: str) -> tuple[int, int]:
+    """The ``(side, side)`` patch grid of a position table of ``tokens`` rows."""
+    side = math.isqrt(max(tokens - prefix_tokens, 0))
+    if side == 0 or side * side != tokens - prefix_tokens:
+        raise ValueError(
+            f"{where}: a position table of {tokens} tokens is not {prefix_tokens} prefix "
+            "token(s) plus a square grid"
+        )
+    return side, side
+
+
+def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: str):
+    """Apply ``overrides`` to the checkpoint's ViT ``config`` and build ``(ViT, {"params": ...})``.
+
+    An ``image_size`` other than the checkpoint's resamples a learned position table (bicubic,
+    fine-tuning at a new resolution); ``scan_layers=True`` stacks the blocks. The parameters are
+    checked against the module's own ``init`` shapes.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from attnjax.positional import resize_position_embedding
+    from attnjax.vit import create_vit, stack_block_params
+
+    patch = as_pair(config["patch_size"])
+    config = {**config, "image_size": (grid[0] * patch[0], grid[1] * patch[1]), **overrides}
+    size = as_pair(config["image_size"])
+    if size[0] % patch[0] or size[1] % patch[1]:
+        raise ValueError(f"{where}: image_size {size} is not divisible by patch_size {patch}")
+    new_grid = (size[0] // patch[0], size[1] // patch[1])
+    if new_grid != tuple(grid) and "pos_embed" in params:
+        table = params["pos_embed"]["pos_embedding"]
+        prefix = table.shape[1] - grid[0] * grid[1]
+        table = resize_position_embedding(table, new_grid, num_prefix_tokens=prefix, old_grid_hw=grid)
+        params = {**params, "pos_embed": {"pos_embedding": np.asarray(table)}}
+    model = create_vit(**config)
+    if model.scan_layers:
+        params = stack_block_params(params)
+    params = jax.tree.map(lambda leaf: jnp.asarray(leaf, model.param_dtype), params)
+    check_against_init(model, {"params": params}, jnp.zeros((1, *size, model.in_channels)), where)
+    return model, {"params": params}

@@ -1,0 +1,90 @@
+"""LPIPS weights -> ``attnjax.lpips.LPIPS``: torchvision's VGG16 trunk plus the ``lpips``
+package's learned linear layers. Run once to write a numpy file the training code reads without
+torch::
+
+    python -m attnjax.convert.lpips vgg16-397923af.pth lpips/weights/v0.1/vgg.pth lpips_vgg.npz
+
+The VGG16 file may be a ``.safetensors``; the linear-layer file may be left out when the first
+file already holds the ``lin*`` weights (a whole ``lpips.LPIPS(net="vgg")`` state dict).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import pickle
+import sys
+
+from attnjax.convert.common import apply_key_table, conv2d, load_state_dict
+
+# torchvision ``vgg16().features.N`` or lpips' ``net.sliceK.N`` -> the trunk conv ``features_N``;
+# lpips' ``linK.model.1`` (``model.0`` when saved without dropout) -> the 1x1 conv ``linK``.
+LPIPS_TABLE = (
+    (r"(?:features|net\.slice\d)\.(\d+)", r"net/features_\1", conv2d),
+    (r"lin(\d)\.model\.[01]", r"lin\1", conv2d),
+)
+# VGG16's classifier and lpips' fixed input scaling (constants in attnjax.lpips) are not weights
+# of the perceptual distance.
+_NOT_CONVERTED = r"^(classifier|scaling_layer)\."
+
+
+def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
+    """VGG16 + LPIPS linear weights -> ``(attnjax.lpips.LPIPS(), variables)``.
+
+    ``vgg_state_dict``: torchvision's ``vgg16`` (keys ``features.N.*``; the ``classifier.*`` keys
+    are ignored), or a whole ``lpips.LPIPS(net="vgg")`` / taming ``LPIPS`` state dict (keys
+    ``net.sliceK.N.*``). ``linear_state_dict``: the ``lpips`` package's ``weights/v0.1/vgg.pth``
+    (keys ``linK.model.1.weight``); omitted when the first state dict already holds them. Each
+    may be a module, a mapping or a checkpoint file (``.pth``/``.pt``/``.safetensors``).
+    """
+    from attnjax import lpips
+
+    state = load_state_dict(vgg_state_dict)
+    if linear_state_dict is not None:
+        state.update(load_state_dict(linear_state_dict))
+    params = apply_key_table(state, LPIPS_TABLE, "lpips_from_torch", skip=_NOT_CONVERTED)["params"]
+    trunk = params.get("net", {})
+    expected = {f"features_{index}" for index, _ in lpips.VGG16_CONVS}
+    if set(trunk) != expected:
+        raise KeyError(
+            f"lpips_from_torch: expected the 13 VGG16 convs {sorted(expected)} as 'features.N' or "
+            f"'net.sliceK.N' keys, found {sorted(trunk)}"
+        )
+    for k in range(len(lpips.CHANNELS)):
+        if f"lin{k}" not in params:
+            raise KeyError(f"lpips_from_torch: no 'lin{k}.model.1.weight' (or model.0) in the linear weights")
+    return lpips.LPIPS(), {"params": params}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m attnjax.convert.lpips",
+        description="Convert VGG16 + LPIPS linear weights into the .npz that attnjax.lpips.load_variables reads.",
+    )
+    parser.add_argument("vgg", help="torchvision vgg16 weights (.pth, .pt or .safetensors)")
+    parser.add_argument("linear", nargs="?", help="lpips weights/v0.1/vgg.pth (omit if VGG holds lin* keys)")
+    parser.add_argument("out", help="the converted weights to write (.npz)")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    try:
+        if out.suffix != ".npz":
+            raise ValueError(f"OUT must end in .npz (numpy would append it), got {str(out)!r}")
+        if out.exists() and not args.force:
+            raise ValueError(f"OUT {str(out)!r} exists; pass --force to overwrite it")
+        for source in (args.vgg, args.linear):
+            if source is not None and not pathlib.Path(source).is_file():
+                raise ValueError(f"no weights file at {source!r}")
+        _, variables = lpips_from_torch(args.vgg, args.linear)
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError, pickle.UnpicklingError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"python -m attnjax.convert.lpips: {message}", file=sys.stderr)
+        return 2
+    from attnjax import lpips
+
+    lpips.save_variables(variables, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

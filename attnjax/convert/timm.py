@@ -1,0 +1,220 @@
+"""PyTorch Vision Transformers -> ``attnjax.vit.ViT``: timm's ``VisionTransformer``, and the
+reference PyTorch ViT layout (``torch.nn.MultiheadAttention`` blocks, Linear patch embedding)
+that ``tests/test_vit.py`` defines and checks against."""
+from __future__ import annotations
+
+import functools
+import math
+
+from attnjax.convert.common import (
+    apply_key_table,
+    finish_vit,
+    layer_norm,
+    linear,
+    load_state_dict,
+    parameter,
+    square_grid,
+    take,
+)
+
+
+def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -> dict:
+    """Packed ``[3 * width, width]`` q|k|v (timm ``qkv``, torch ``in_proj``) -> three Dense dicts."""
+    packed = take(state, prefix, weight)
+    packed_bias = take(state, prefix, bias, required=False)
+    if packed_bias is None:
+        raise ValueError(
+            f"state dict has no {prefix}.{bias!r}: attnjax's MultiHeadAttention has q/k/v biases "
+            "(timm's qkv_bias=False is not supported)"
+        )
+    width = packed.shape[1]
+    if packed.shape != (3 * width, width):
+        raise ValueError(f"{prefix}.{weight}: expected shape [3 * {width}, {width}], got {packed.shape}")
+    rows = [slice(i * width, (i + 1) * width) for i in range(3)]
+    return {
+        name: {"kernel": packed[part].T, "bias": packed_bias[part]}
+        for name, part in zip(("query", "key", "value"), rows)
+    }
+
+
+def conv_patch_embedding(state, prefix: str) -> dict:
+    """Conv2d ``[width, C, ph, pw]`` -> ``patch_embed`` Dense on ``(row, col, C)``-flattened patches."""
+    weight = take(state, prefix, "weight")
+    width, channels, ph, pw = weight.shape
+    return {
+        "kernel": weight.transpose(2, 3, 1, 0).reshape(ph * pw * channels, width),
+        "bias": take(state, prefix, "bias"),
+    }
+
+
+def linear_patch_embedding(state, prefix: str, in_channels: int) -> dict:
+    """Linear ``[width, C * ph * pw]`` on ``(C, row, col)``-flattened patches -> ``patch_embed``."""
+    weight = take(state, prefix, "weight")
+    width, patch_dim = weight.shape
+    patch = math.isqrt(patch_dim // in_channels)
+    if patch * patch * in_channels != patch_dim:
+        raise ValueError(
+            f"vit_from_torch_reference: {prefix}.weight of shape {weight.shape} is not in_channels="
+            f"{in_channels} times a square patch; pass in_channels"
+        )
+    image_weight = weight.reshape(width, in_channels, patch, patch)
+    return {
+        "kernel": image_weight.transpose(2, 3, 1, 0).reshape(patch_dim, width),
+        "bias": take(state, prefix, "bias"),
+    }
+
+
+TIMM_VIT_TABLE = (
+    (r"patch_embed\.proj", "patch_embed", conv_patch_embedding),
+    (r"cls_token", "cls_token", parameter),
+    (r"pos_embed", "pos_embed/pos_embedding", parameter),
+    (r"blocks\.(\d+)\.norm1", r"blocks_\1/norm1", layer_norm),
+    (r"blocks\.(\d+)\.attn\.qkv", r"blocks_\1/attn", packed_qkv),
+    (r"blocks\.(\d+)\.attn\.proj", r"blocks_\1/attn/out", linear),
+    (r"blocks\.(\d+)\.norm2", r"blocks_\1/norm2", layer_norm),
+    (r"blocks\.(\d+)\.mlp\.fc1", r"blocks_\1/mlp/fc1", linear),
+    (r"blocks\.(\d+)\.mlp\.fc2", r"blocks_\1/mlp/fc2", linear),
+    (r"norm", "norm", layer_norm),
+    (r"fc_norm", "fc_norm", layer_norm),
+    (r"head", "head", linear),
+)
+
+
+def _depth(params: dict, where: str) -> int:
+    depth = sum(key.startswith("blocks_") for key in params)
+    if depth == 0:
+        raise ValueError(f"{where}: the state dict has no transformer blocks; is it a ViT?")
+    return depth
+
+
+def _timm_module_config(model) -> dict:
+    """The ViT fields a timm ``VisionTransformer`` instance knows but its state dict does not."""
+    pool = {"token": "cls", "avg": "gap"}.get(model.global_pool)
+    if pool is None:
+        raise ValueError(
+            f"vit_from_timm: global_pool={model.global_pool!r} unsupported; expected 'token' or 'avg'"
+        )
+    act = model.blocks[0].mlp.act
+    if type(act).__name__ != "GELU" or getattr(act, "approximate", "none") != "none":
+        raise ValueError(f"vit_from_timm: MLP activation {act} unsupported; expected exact nn.GELU()")
+    norm = model.norm if hasattr(model.norm, "eps") else model.fc_norm
+    return dict(
+        num_heads=model.blocks[0].attn.num_heads,
+        pool=pool,
+        image_size=tuple(model.patch_embed.img_size),
+        layer_norm_eps=float(norm.eps),
+    )
+
+
+def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overrides):
+    """timm ``VisionTransformer`` (module, state dict or checkpoint file) -> ``(ViT, variables)``.
+
+    ``flax_module.apply(variables, images_nhwc)`` equals timm's ``model(images_nchw)`` in eval
+    mode. The keys map by ``TIMM_VIT_TABLE``: the packed ``blocks.N.attn.qkv`` splits into
+    ``blocks_N/attn/{query, key, value}`` and the ``patch_embed.proj`` convolution becomes a Dense
+    layer on flattened patches.
+
+    From a module, heads, pooling, LayerNorm eps and image size are read from it. From a state dict
+    (``torch.save`` or ``.safetensors`` file, loaded without unpickling code) the sizes come from the
+    tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when ``fc_norm``
+    weights exist, and the grid is square. ``overrides`` are further ``ViT`` fields
+    (``scan_layers``, ``remat``, ``dtype``, dropouts, a new ``image_size``...). Parts attnjax's ViT
+    does not have (register tokens, LayerScale, qk-norm, pre-norm, attention pooling) leave keys
+    unread and raise ``ValueError``.
+    """
+    config: dict = {}
+    if hasattr(model_or_state_dict, "patch_embed") and hasattr(model_or_state_dict, "blocks"):
+        config.update(_timm_module_config(model_or_state_dict))
+    if num_heads is not None:
+        config["num_heads"] = num_heads
+    if "num_heads" not in config:
+        raise ValueError(
+            "vit_from_timm: a state dict does not record the number of heads; pass num_heads="
+        )
+    state = load_state_dict(model_or_state_dict)
+    width, channels, ph, pw = take(state, "patch_embed.proj", "weight").shape
+    params = apply_key_table(state, TIMM_VIT_TABLE, "vit_from_timm")["params"]
+    class_token, fc_norm = "cls_token" in params, "fc_norm" in params
+    tokens = take(state, "", "pos_embed").shape[1]
+    if "image_size" in config:
+        grid = (config["image_size"][0] // ph, config["image_size"][1] // pw)
+    elif math.isqrt(tokens) ** 2 == tokens:  # no position for the class token (or no class token)
+        grid = square_grid(tokens, 0, "vit_from_timm")
+    else:
+        grid = square_grid(tokens, int(class_token), "vit_from_timm")
+    config = {
+        "pool": "gap" if fc_norm else "cls",
+        "layer_norm_eps": 1e-6,
+        **config,
+        "patch_size": (ph, pw),
+        "width": width,
+        "depth": _depth(params, "vit_from_timm"),
+        "mlp_dim": params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
+        "in_channels": channels,
+        "num_classes": params["head"]["kernel"].shape[1] if "head" in params else 0,
+        "class_token": class_token,
+        "no_embed_class": class_token and tokens == grid[0] * grid[1],
+        "fc_norm": fc_norm,
+    }
+    return finish_vit(config, overrides, params, grid, "vit_from_timm")
+
+
+def torch_reference_vit_table(in_channels: int):
+    """Key table of the reference PyTorch ViT for images of ``in_channels`` channels."""
+    return (
+        (r"patch_embed", "patch_embed", functools.partial(linear_patch_embedding, in_channels=in_channels)),
+        (r"cls_token", "cls_token", parameter),
+        (r"pos_embed", "pos_embed/pos_embedding", parameter),
+        (r"transformer_blocks\.(\d+)\.norm1", r"blocks_\1/norm1", layer_norm),
+        (r"transformer_blocks\.(\d+)\.attention\.out_proj", r"blocks_\1/attn/out", linear),
+        (
+            r"transformer_blocks\.(\d+)\.attention",
+            r"blocks_\1/attn",
+            functools.partial(packed_qkv, weight="in_proj_weight", bias="in_proj_bias"),
+        ),
+        (r"transformer_blocks\.(\d+)\.norm2", r"blocks_\1/norm2", layer_norm),
+        (r"transformer_blocks\.(\d+)\.ffn\.linear1", r"blocks_\1/mlp/fc1", linear),
+        (r"transformer_blocks\.(\d+)\.ffn\.linear2", r"blocks_\1/mlp/fc2", linear),
+        (r"norm", "norm", layer_norm),
+        (r"head", "head", linear),
+    )
+
+
+def vit_from_torch_reference(
+    model_or_state_dict, *, num_heads: int | None = None, in_channels: int = 3, **overrides
+):
+    """The reference PyTorch ViT layout -> ``(ViT, variables)``.
+
+    That layout, the plain PyTorch ViT ``tests/test_vit.py`` checks attnjax against:
+    ``patch_embed`` (Linear on patches flattened ``(C, row, col)``, reordered here to attnjax's
+    ``(row, col, C)``), ``cls_token``, ``pos_embed [1, 1 + N, width]``,
+    ``transformer_blocks.N.{norm1, attention (nn.MultiheadAttention: packed in_proj_weight/bias,
+    out_proj), norm2, ffn.linear1, ffn.linear2}``, ``norm``, ``head``; LayerNorm eps is torch's
+    1e-5. From a module, ``num_heads`` and eps are read from it; from a state dict pass
+    ``num_heads`` (and ``in_channels`` if not 3). Dropouts are 0 unless overridden: the converted
+    model is for inference, or for fine-tuning with the caller's own settings.
+    """
+    where = "vit_from_torch_reference"
+    config: dict = {"layer_norm_eps": 1e-5, "pool": "cls"}
+    if hasattr(model_or_state_dict, "transformer_blocks"):
+        config["num_heads"] = model_or_state_dict.transformer_blocks[0].attention.num_heads
+        config["layer_norm_eps"] = float(model_or_state_dict.norm.eps)
+    if num_heads is not None:
+        config["num_heads"] = num_heads
+    if "num_heads" not in config:
+        raise ValueError(f"{where}: a state dict does not record the number of heads; pass num_heads=")
+    state = load_state_dict(model_or_state_dict)
+    table = torch_reference_vit_table(in_channels)
+    params = apply_key_table(state, table, f"{where} (not the reference layout?)")["params"]
+    width, patch_dim = take(state, "patch_embed", "weight").shape
+    config.update(
+        patch_size=math.isqrt(patch_dim // in_channels),
+        width=width,
+        depth=_depth(params, where),
+        mlp_dim=params["blocks_0"]["mlp"]["fc1"]["kernel"].shape[1],
+        in_channels=in_channels,
+        num_classes=params["head"]["kernel"].shape[1],
+    )
+    grid = square_grid(params["pos_embed"]["pos_embedding"].shape[1], 1, where)
+    return finish_vit(config, overrides, params, grid, where)
+
