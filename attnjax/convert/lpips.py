@@ -22,9 +22,9 @@ LPIPS_TABLE = (
     (r"(?:features|net\.slice\d)\.(\d+)", r"net/features_\1", conv2d),
     (r"lin(\d)\.model\.[01]", r"lin\1", conv2d),
 )
-# VGG16's classifier and lpips' fixed input scaling (constants in attnjax.lpips) are not weights
-# of the perceptual distance.
-_NOT_CONVERTED = r"^(classifier|scaling_layer)\."
+# Not weights of the perceptual distance: VGG16's classifier, lpips' fixed input scaling (constants
+# in attnjax.lpips), and lpips' ``lins`` list, which holds lin0..lin4 a second time.
+_NOT_CONVERTED = r"^(classifier|scaling_layer|lins)\."
 
 
 def lpips_from_torch(vgg_state_dict, linear_state_dict=None):

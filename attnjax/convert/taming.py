@@ -31,7 +31,7 @@ def taming_layer(state, prefix: str):
         return batch_norm(state, prefix)
     if f"{prefix}.loc" in state:
         return actnorm(state, prefix)
-    if np.ndim(state[f"{prefix}.weight"]) == 4:
+    if np.ndim(take(state, prefix, "weight")) == 4:
         return conv2d(state, prefix)
     return group_norm(state, prefix)
 

@@ -1,6 +1,7 @@
 """attnjax.convert.google_npz: Google ViT .npz checkpoints written and read back, checked with
 timm's own .npz reader; the module needs no torch."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -112,6 +113,6 @@ def test_google_npz_module_imports_no_torch(tmp_path):
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=pathlib.Path(__file__).resolve().parents[2], env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert result.stdout.split() == ["2", "[]"], result.stdout + result.stderr
