@@ -4,7 +4,7 @@ The model is minGPT as taming-transformers uses it (``taming.modules.transformer
 token embedding + learned position embedding ``[1, block_size, n_embd]``, embedding dropout,
 ``n_layer`` pre-LN blocks (causal self-attention, then an MLP ``n_embd -> 4 n_embd -> n_embd``
 with exact GELU), a final LayerNorm and a bias-free head onto the vocabulary. LayerNorms use
-PyTorch's ``eps=1e-5``. Parameter names follow taming's so ``torch_interop.gpt_from_taming`` is
+PyTorch's ``eps=1e-5``. Parameter names follow taming's so ``convert.taming.gpt_from_taming`` is
 a table: ``tok_emb``, ``pos_emb``, ``blocks_N/{ln1, attn/{query,key,value,out}, ln2,
 mlp/{fc1,fc2}}``, ``ln_f``, ``head``.
 

@@ -10,7 +10,7 @@ Data flow, for channels-last images ``[batch, H, W, C]`` and patch size ``(ph, p
 
 Parameter names follow timm's vocabulary (``patch_embed``, ``cls_token``, ``pos_embed``,
 ``blocks_N/{norm1, attn, norm2, mlp/fc1, mlp/fc2}``, ``norm``, ``fc_norm``, ``head``), so the
-converters in ``attnjax.torch_interop`` are key tables. ``attn`` is
+converters in ``attnjax.convert`` are key tables. ``attn`` is
 ``attnjax.attention.MultiHeadAttention`` (``query``/``key``/``value``/``out`` Dense layers).
 With ``scan_layers=True`` the blocks are one ``nn.scan``-ed module ``blocks`` whose parameters
 carry a leading ``[depth]`` axis; ``stack_block_params``/``unstack_block_params`` convert.

@@ -3,7 +3,7 @@
 Module boundaries, names and hyper-parameters follow taming-transformers
 (``taming.modules.diffusionmodules.model``, ``vqvae.quantize``, ``discriminator.model``) so that
 the two can be read side by side and its checkpoints convert with a table
-(``attnjax.torch_interop.vqgan_from_taming``). Everything is channels-last:
+(``attnjax.convert.taming.vqgan_from_taming``). Everything is channels-last:
 images are ``[batch, height, width, channels]``.
 
 A taming ``ddconfig`` maps onto the ``Encoder``/``Decoder`` fields one to one: ``ch``, ``out_ch``,

@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from attnjax import prior, torch_interop  # noqa: E402
+from attnjax import prior  # noqa: E402
+from attnjax.convert.taming import gpt_from_taming  # noqa: E402
 from taming.modules.transformer import mingpt  # noqa: E402
 
 MODEL = dict(vocab_size=128, n_layer=2, n_head=4, n_embd=64)
@@ -56,7 +57,7 @@ def _best_seconds(fn, min_seconds=1.0, max_repeats=20):
 def _models(length):
     torch.manual_seed(0)
     torch_model = mingpt.GPT(block_size=length, **MODEL).eval()
-    model, variables = torch_interop.gpt_from_taming(torch_model.state_dict(), n_head=MODEL["n_head"])
+    model, variables = gpt_from_taming(torch_model.state_dict(), n_head=MODEL["n_head"])
     return torch_model, model, variables["params"]
 
 

@@ -4,7 +4,7 @@
                              [--dtype float32|bfloat16]
 
 A timm ``VisionTransformer`` of the variant's shape is built with random weights and converted
-with ``torch_interop.vit_from_timm``; then for each attnjax setting (``scan_layers`` x ``remat``)
+with ``attnjax.convert.timm.vit_from_timm``; then for each attnjax setting (``scan_layers`` x ``remat``)
 it measures the compile time of the jitted forward and of a cross-entropy forward+backward, their
 steady-state times, and XLA's temporary buffer size (activation memory), next to timm's eager
 PyTorch forward and forward+backward on the same weights and images. The first row also checks
@@ -13,6 +13,7 @@ that the logits agree. Prints a table and writes ``benchmarks/results/vit_<platf
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import platform
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnjax import torch_interop, vit
+from attnjax import vit
+from attnjax.convert.timm import vit_from_timm
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -91,8 +93,17 @@ def main():
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
 
-    torch_interop.ensure_torchvision_importable()
     import torch
+
+    # PyPI's torchvision (imported by timm) is a CUDA build whose C extension cannot load next to
+    # the CPU torch: declare the two operator schemas its Python side expects (tests/conftest.py).
+    torchvision_dir = pathlib.Path(importlib.util.find_spec("torchvision").origin).parent
+    try:
+        torch.ops.load_library(str(next(torchvision_dir.glob("_C*.so"))))
+    except (OSError, StopIteration):
+        torchvision_ops = torch.library.Library("torchvision", "FRAGMENT")
+        for op in ("nms", "qnms"):
+            torchvision_ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     from timm.models.vision_transformer import VisionTransformer
 
     shape = vit.variant_config(args.variant)
@@ -114,7 +125,7 @@ def main():
     rows = []
     settings = [(scan, remat) for scan in (False, True) for remat in (False, True)]
     for scan, remat in tqdm(settings, desc="attnjax settings"):
-        model, variables = torch_interop.vit_from_timm(reference, scan_layers=scan, remat=remat, dtype=dtype)
+        model, variables = vit_from_timm(reference, scan_layers=scan, remat=remat, dtype=dtype)
         result = bench_attnjax(model, variables, jnp.asarray(images), jnp.asarray(labels), args.repeats)
         rows.append({"impl": f"attnjax scan={scan} remat={remat}", **result})
     torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32

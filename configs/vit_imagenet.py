@@ -1,6 +1,6 @@
 """Fine-tune a pre-trained ViT-B/16 on ImageNet-1k at 384x384. ``init_from``: a Google ViT .npz
-(e.g. the ImageNet-21k ``augreg`` checkpoints, read with ``attnjax.torch_interop.load_google_npz``)
-or a flat .npz of attnjax params (e.g. a timm model converted with ``attnjax.torch_interop``).
+(e.g. the ImageNet-21k ``augreg`` checkpoints, read with ``attnjax.convert.google_npz.load_google_npz``)
+or a flat .npz of attnjax params (e.g. a timm model converted with ``attnjax.convert.timm``).
 
 Recipe: the ViT paper's fine-tuning setup (Dosovitskiy et al. 2021, appendix B.1.1): SGD with
 momentum 0.9, no weight decay, global-norm clipping at 1, batch 512, cosine decay with a short

@@ -10,7 +10,7 @@ VQLPIPSWithDiscriminator (perceptual_weight 1.0, hinge loss, 3-layer PatchGAN wi
 BatchNorm, disc_factor 1.0) and VQModel (VectorQuantizer beta 0.25; Adam betas (0.5, 0.9)). The
 learning rate is taming's base_learning_rate 4.5e-6 times the global batch, as its main.py
 scales it. The quantizer is taming 0.0.1's (``legacy``, no codebook options), so a published
-taming checkpoint converted with ``attnjax.torch_interop.vqgan_from_taming`` fine-tunes as is.
+taming checkpoint converted with ``attnjax.convert.taming.vqgan_from_taming`` fine-tunes as is.
 Needs the TFDS ``imagenet2012`` dataset (manual download) and accelerators.
 """
 import ml_collections

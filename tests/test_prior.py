@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import assert_close
 
-from attnjax import prior, torch_interop
+from attnjax import prior
+from attnjax.convert.taming import gpt_from_taming
 from taming.modules.transformer import mingpt
 
 
@@ -25,7 +26,7 @@ def _taming_gpt(seed=0, vocab_size=37, block_size=24, n_layer=2, n_head=4, n_emb
 @pytest.fixture(scope="module")
 def converted():
     torch_model = _taming_gpt()
-    model, variables = torch_interop.gpt_from_taming(torch_model.state_dict(), n_head=4)
+    model, variables = gpt_from_taming(torch_model.state_dict(), n_head=4)
     return torch_model, model, variables
 
 

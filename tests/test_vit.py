@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnjax import torch_interop, vit
+from attnjax import vit
+from attnjax.convert.timm import vit_from_torch_reference
 
 
 class SeedBlock(nn.Module):
@@ -100,7 +101,7 @@ def _torch_nchw(images_nhwc):
 def seed_pair():
     torch.manual_seed(0)
     reference = _perturbed(SeedViT(**SMALL))
-    model, variables = torch_interop.vit_from_seed_layout(reference)
+    model, variables = vit_from_torch_reference(reference)
     return reference, model, variables
 
 
@@ -126,7 +127,7 @@ def test_cross_entropy_gradients_match_pytorch(seed_pair):
     F.cross_entropy(logits_t, torch.from_numpy(labels)).backward()
     grads_state = {name: param.grad for name, param in reference.named_parameters()}
     # The conversion is linear (transposes, reshapes, splits), so it maps gradients like weights.
-    _, expected = torch_interop.vit_from_seed_layout(grads_state, num_heads=SMALL["n_heads"])
+    _, expected = vit_from_torch_reference(grads_state, num_heads=SMALL["n_heads"])
 
     def loss_fn(params):
         logits = model.apply({"params": params}, images)
@@ -147,7 +148,7 @@ def test_cross_entropy_gradients_match_pytorch(seed_pair):
 def test_cifar_variant_is_the_seed_model():
     torch.manual_seed(1)
     reference = _perturbed(SeedViT())  # the seed's defaults
-    model, variables = torch_interop.vit_from_seed_layout(reference)
+    model, variables = vit_from_torch_reference(reference)
     cifar = vit.create_vit("cifar")
     for field in ("patch_size", "width", "depth", "num_heads", "num_classes", "layer_norm_eps", "in_channels"):
         assert getattr(model, field) == getattr(cifar, field), field

@@ -1,5 +1,5 @@
 """attnjax.vqgan against taming-transformers 0.0.1 (PyTorch), with weights converted from
-randomly initialised taming modules by attnjax.torch_interop."""
+randomly initialised taming modules by attnjax.convert.taming."""
 import functools
 
 import jax
@@ -14,7 +14,8 @@ from taming.modules.discriminator.model import NLayerDiscriminator as TorchDiscr
 from taming.modules.discriminator.model import weights_init
 from taming.modules.vqvae.quantize import VectorQuantizer as TorchVectorQuantizer
 
-from attnjax import torch_interop, vqgan
+from attnjax import vqgan
+from attnjax.convert import taming as taming_convert
 
 # One config with attention below the top level, one with several ch_mult levels and no
 # attention outside the middle block; GroupNorm(32) needs widths that are multiples of 32.
@@ -79,7 +80,7 @@ def _converted(name):
     _randomise_norms(reference, generator)
     with torch.no_grad():  # codes on the scale of the encodings, so that many codes get picked
         reference.quantize.embedding.weight.normal_(0.0, 0.3, generator=generator)
-    model, variables = torch_interop.vqgan_from_taming(reference.state_dict(), ddconfig, N_EMBED, EMBED_DIM)
+    model, variables = taming_convert.vqgan_from_taming(reference.state_dict(), ddconfig, N_EMBED, EMBED_DIM)
     images = np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, ddconfig["in_channels"])).astype(np.float32)
     return reference, model, variables, images
 
@@ -255,7 +256,7 @@ def test_nlayer_discriminator_matches_taming_in_eval_mode():
     images = np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)).astype(np.float32)
     with torch.no_grad():
         expected = reference(_nchw(images))
-    model, variables = torch_interop.nlayer_discriminator_from_taming(reference.state_dict())
+    model, variables = taming_convert.nlayer_discriminator_from_taming(reference.state_dict())
     assert (model.ndf, model.n_layers, model.norm) == (16, 2, "batch")
     assert_relative(model.apply(variables, jnp.asarray(images)), _nhwc(expected), what="PatchGAN logits")
 
@@ -267,7 +268,7 @@ def test_actnorm_discriminator_matches_taming():
     with torch.no_grad():
         reference(_nchw(images))  # ActNorm initialises itself on the first training batch
         expected = reference.eval()(_nchw(images[:2]))
-    model, variables = torch_interop.nlayer_discriminator_from_taming(reference.state_dict())
+    model, variables = taming_convert.nlayer_discriminator_from_taming(reference.state_dict())
     assert model.norm == "actnorm"
     assert_relative(model.apply(variables, jnp.asarray(images[:2])), _nhwc(expected), what="ActNorm PatchGAN")
 
@@ -296,4 +297,4 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="unknown ddconfig keys"):
         vqgan.create_vqgan(dict(DDCONFIGS["levels"], give_pre_end=True), N_EMBED, EMBED_DIM)
     with pytest.raises(ValueError, match="double_z"):
-        torch_interop.vqgan_from_taming({}, dict(DDCONFIGS["levels"], double_z=True), N_EMBED, EMBED_DIM)
+        taming_convert.vqgan_from_taming({}, dict(DDCONFIGS["levels"], double_z=True), N_EMBED, EMBED_DIM)

@@ -19,7 +19,9 @@ import torchvision
 from conftest import assert_close
 
 import taming.modules.losses.lpips as taming_lpips
-from attnjax import torch_interop, vqgan_loss
+from attnjax import vqgan_loss
+from attnjax.convert.lpips import lpips_from_torch
+from attnjax.convert.taming import nlayer_discriminator_from_taming
 from taming.modules.losses.vqperceptual import VQLPIPSWithDiscriminator
 
 DISC_START = 5
@@ -51,8 +53,8 @@ def _build(kind):
     inputs = rng.uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
     features = rng.normal(size=(2, 16, 16, 32)).astype(np.float32)
     last = torch.nn.Conv2d(32, 3, 3, padding=1)
-    disc, disc_vars = torch_interop.nlayer_discriminator_from_taming(loss.discriminator.state_dict())
-    perceptual, lpips_vars = torch_interop.lpips_from_torch(loss.perceptual_loss.state_dict())
+    disc, disc_vars = nlayer_discriminator_from_taming(loss.discriminator.state_dict())
+    perceptual, lpips_vars = lpips_from_torch(loss.perceptual_loss.state_dict())
     ours = dict(
         discriminator=lambda x: disc.apply(disc_vars, x, train=True, mutable=["batch_stats"])[0],
         perceptual=lambda a, b: perceptual.apply(lpips_vars, a, b),
