@@ -1,4 +1,5 @@
 """attnjax/prior.py against taming's minGPT and net2net objective, and the prior task."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,9 +49,8 @@ def test_gpt_from_taming_reads_the_architecture(converted):
     _, model, variables = converted
     assert (model.vocab_size, model.block_size, model.n_layer, model.n_embd) == (37, 24, 2, 32)
     own = prior.GPT(vocab_size=37, block_size=24, n_layer=2, n_head=4, n_embd=32)
-    own_shapes = jax.tree.map(jnp.shape, jax.eval_shape(own.init, jax.random.key(0),
-                                                        jnp.zeros((1, 24), jnp.int32)))
-    assert jax.tree.map(jnp.shape, variables) == own_shapes
+    own_shapes = jax.eval_shape(own.init, jax.random.key(0), jnp.zeros((1, 24), jnp.int32))
+    chex.assert_trees_all_equal_shapes(variables, own_shapes)
 
 
 def test_training_objective_matches_net2net(converted):
