@@ -34,7 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from attnjax import checkpoint, prior  # noqa: E402
+from attnjax import checkpoint  # noqa: E402
+from attnjax.images import save_image_grid  # noqa: E402
 from attnjax.tasks import prior as prior_task  # noqa: E402
 from attnjax.tasks import report  # noqa: E402
 from attnjax.tasks.loop import train_and_evaluate  # noqa: E402
@@ -118,7 +119,7 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
     labels, images = prior_task.sample_grid(params, prior_config, model,
                                             jax.random.key(prior_config.seed + 1), per_class=per_class)
     shown = np.concatenate([images[labels == c][:10] for c in range(prior_config.num_classes)])
-    prior.save_image_grid(shown, path, nrow=10, scale=4)
+    save_image_grid(shown, path, nrow=10, scale=4)
     vit_images = (np.clip(images, 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)) / \
         np.asarray(vit_config.data.std, np.float32)
     predicted = classify(predict, vit_images)

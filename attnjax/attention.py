@@ -12,10 +12,9 @@ scores (``-inf`` entries mask a key out). ``is_causal`` is PyTorch's top-left al
 ``tril(ones(L, S))``. A query row whose keys are all masked returns zeros, never NaN (PyTorch's
 ``nn.MultiheadAttention`` returns NaN there).
 
-The fused path is ``jax.nn.dot_product_attention`` (cuDNN flash attention on a GPU for
-float16/bfloat16 when it supports the shapes, XLA otherwise); the explicit einsum + softmax path
-runs when the attention weights or dropout are requested, or when ``Ev != E`` (the fused kernels
-need one head size for keys and values).
+Which kernel runs is ``dot_product_attention``'s ``implementation``: the fused
+``jax.nn.dot_product_attention`` by default, an explicit einsum + softmax where the fused kernels
+cannot serve (attention weights or dropout requested, ``Ev != E``).
 """
 from __future__ import annotations
 
@@ -132,6 +131,12 @@ def _check_dropout(dropout_rate, dropout_rng):
         raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng (a jax.random key)")
 
 
+def _check_ranks(where: str, expected: str, rank_ok: Callable[[int], bool], **arrays):
+    for name, array in arrays.items():
+        if not rank_ok(jnp.ndim(array)):
+            raise ValueError(f"{where}: {name} must {expected}, got shape {jnp.shape(array)}")
+
+
 def _check_mask_shape(mask, target: tuple, where: str):
     if mask is None:
         return
@@ -187,19 +192,9 @@ def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementa
     )
 
 
-def dot_product_attention(
-    query,
-    key,
-    value,
-    mask=None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng=None,
-    return_weights: bool = False,
-    implementation: str | None = None,
-):
+def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = False,
+                          scale: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
+                          return_weights: bool = False, implementation: str | None = None):
     """Multi-head attention on ``[batch, length, heads, head_dim]`` arrays (JAX's layout).
 
     Args:
@@ -219,12 +214,8 @@ def dot_product_attention(
       ``[batch, L, heads, Ev]``, or ``(out, weights)``. Rows whose keys are all masked are zeros.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    for name, array in (("query", query), ("key", key), ("value", value)):
-        if array.ndim != 4:
-            raise ValueError(
-                f"dot_product_attention: {name} must be [batch, length, heads, head_dim], "
-                f"got shape {array.shape}"
-            )
+    _check_ranks("dot_product_attention", "be [batch, length, heads, head_dim]", lambda n: n == 4,
+                 query=query, key=key, value=value)
     batch, length, heads, depth = query.shape
     if key.shape[0] != batch or key.shape[2] != heads or key.shape[3] != depth:
         raise ValueError(
@@ -273,18 +264,21 @@ def dot_product_attention(
     return out
 
 
-def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    mask=None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng=None,
-    return_weights: bool = False,
-):
+def _fold_leading(x, leading: tuple):
+    """``[..., A, B]`` broadcastable to ``leading + (A, B)`` -> ``[batch, heads, A, B]``: the last
+    leading dim plays the heads, the others are flattened into the batch. Singleton dims stay
+    singletons (``[1, 1, A, B]`` for an ``[A, B]`` mask), so nothing is copied per batch and head."""
+    x = x.reshape((1,) * (len(leading) + 2 - x.ndim) + x.shape)
+    heads = x.shape[-3] if leading else 1
+    if all(d == 1 for d in x.shape[:-3]):
+        return x.reshape(1, heads, *x.shape[-2:])
+    x = jnp.broadcast_to(x, leading[:-1] + x.shape[-3:])
+    return x.reshape(-1, heads, *x.shape[-2:])
+
+
+def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: bool = False,
+                                 scale: float | None = None, dropout_rate: float = 0.0,
+                                 dropout_rng=None, return_weights: bool = False):
     """Attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics and layout.
 
     ``softmax(query @ key^T * scale + mask) @ value`` over the last two axes.
@@ -293,11 +287,9 @@ def scaled_dot_product_attention(
       query: ``[..., L, E]``.
       key: ``[..., S, E]``.
       value: ``[..., S, Ev]``; the leading dims of the three broadcast together.
-      mask: boolean (True = may attend) or float (added to the scores), broadcastable to
-        ``[..., L, S]``. Unlike PyTorch, a mask may be combined with ``is_causal``.
-      is_causal: top-left aligned causal mask ``tril(ones(L, S))``.
-      scale: default ``1 / sqrt(E)``.
-      dropout_rate, dropout_rng: dropout on the attention weights.
+      mask: broadcastable to ``[..., L, S]``. Unlike PyTorch, a mask may be combined with
+        ``is_causal``.
+      is_causal, scale, dropout_rate, dropout_rng: as ``dot_product_attention``'s.
       return_weights: also return the weights ``[..., L, S]``.
 
     Returns:
@@ -305,12 +297,8 @@ def scaled_dot_product_attention(
       and zero weights (as torch 2.13's SDPA does; ``nn.MultiheadAttention`` gives NaN).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    for name, array in (("query", query), ("key", key), ("value", value)):
-        if array.ndim < 2:
-            raise ValueError(
-                f"scaled_dot_product_attention: {name} must have rank >= 2 ([..., length, dim]), "
-                f"got shape {array.shape}"
-            )
+    _check_ranks("scaled_dot_product_attention", "have rank >= 2 ([..., length, dim])",
+                 lambda n: n >= 2, query=query, key=key, value=value)
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
             f"scaled_dot_product_attention: query and key feature sizes differ: query shape "
@@ -333,34 +321,13 @@ def scaled_dot_product_attention(
         mask = jnp.asarray(mask)
         _check_mask_shape(mask, leading + (length, key_length), "scaled_dot_product_attention")
 
-    # Leading dims -> [batch, heads]: the last one plays the heads, the rest are flattened.
-    heads = leading[-1] if leading else 1
-    batch = math.prod(leading[:-1]) if leading else 1
-
     def to_bthd(x):
-        x = jnp.broadcast_to(x, leading + x.shape[-2:]).reshape(batch, heads, *x.shape[-2:])
-        return jnp.swapaxes(x, 1, 2)
+        return jnp.swapaxes(_fold_leading(jnp.broadcast_to(x, leading + x.shape[-2:]), leading), 1, 2)
 
-    if mask is not None:
-        # Singleton dims stay singletons, so an [L, S] mask is not copied per batch and head.
-        mask = mask.reshape((1,) * (len(leading) + 2 - mask.ndim) + mask.shape)
-        mask_heads = mask.shape[-3] if leading else 1
-        if all(d == 1 for d in mask.shape[:-3]):
-            mask = mask.reshape(1, mask_heads, *mask.shape[-2:])
-        else:
-            mask = jnp.broadcast_to(mask, leading[:-1] + mask.shape[-3:])
-            mask = mask.reshape(batch, mask_heads, *mask.shape[-2:])
-    result = dot_product_attention(
-        to_bthd(query),
-        to_bthd(key),
-        to_bthd(value),
-        mask,
-        is_causal=is_causal,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        return_weights=return_weights,
-    )
+    mask = None if mask is None else _fold_leading(mask, leading)
+    result = dot_product_attention(to_bthd(query), to_bthd(key), to_bthd(value), mask,
+                                   is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
+                                   dropout_rng=dropout_rng, return_weights=return_weights)
     out, weights = result if return_weights else (result, None)
     out = jnp.swapaxes(out, 1, 2).reshape(leading + (length, value.shape[-1]))
     if return_weights:
@@ -445,12 +412,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("MultiHeadAttention(decode=True) caches self-attention: pass inputs_k=None")
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
-        for name, array in (("inputs_q", inputs_q), ("inputs_k", inputs_k), ("inputs_v", inputs_v)):
-            if jnp.ndim(array) != 3:
-                raise ValueError(
-                    f"MultiHeadAttention: {name} must be [batch, length, features], "
-                    f"got shape {jnp.shape(array)}"
-                )
+        _check_ranks("MultiHeadAttention", "be [batch, length, features]", lambda n: n == 3,
+                     inputs_q=inputs_q, inputs_k=inputs_k, inputs_v=inputs_v)
         if inputs_k.shape[:2] != inputs_v.shape[:2] or inputs_q.shape[0] != inputs_k.shape[0]:
             raise ValueError(
                 "MultiHeadAttention: batch/length mismatch: inputs_q shape "
@@ -524,14 +487,3 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             _check_mask_shape(mask, (batch, self.num_heads, chunk, max_length), "MultiHeadAttention")
         return cached_key.value, cached_value.value, combine_masks(mask, visible), False
-
-
-__all__ = (
-    "causal_mask",
-    "padding_mask",
-    "make_attention_mask",
-    "combine_masks",
-    "dot_product_attention",
-    "scaled_dot_product_attention",
-    "MultiHeadAttention",
-)

@@ -44,8 +44,8 @@ def sinusoidal_encoding(length: int, dim: int, base=10000.0) -> jax.Array:
     are static.
 
     Example: ``dim=4``, ``pos=1`` gives ``[sin(1), cos(1), sin(0.01), cos(0.01)]`` =
-    ``[0.8415, 0.5403, 0.0100, 0.99995]``. (A worked example in the study notes prints 0.0001 for
-    the third entry, which does not follow from the formula: ``1 / 10000**(2/4) = 0.01``.)
+    ``[0.8415, 0.5403, 0.0100, 0.99995]``. (A third entry of 0.0001, as some worked examples
+    print, does not follow from the formula: ``1 / 10000**(2/4) = 0.01``.)
     """
     _positive_int(length, "length", "sinusoidal_encoding")
     _positive_int(dim, "dim", "sinusoidal_encoding")

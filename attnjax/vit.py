@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -43,11 +43,12 @@ _SIZES = {
     "L": dict(width=1024, depth=24, mlp_dim=4096, num_heads=16),
     "H": dict(width=1280, depth=32, mlp_dim=5120, num_heads=16),
 }
-# Named models that are not "size/patch" strings. "cifar" is the study notes' PyTorch model
-# (seed 000): its torch LayerNorms use eps 1e-5 and its dropout also hits the attention weights.
-# Evaluation is identical to the seed's; in training, dropout sits where timm and big_vision put
-# it (after the GELU, after fc2, after the attention projection), while the seed drops before the
-# GELU and not after attention.
+# Named models that are not "size/patch" strings. "cifar" is a small ViT for 32x32 CIFAR-10
+# images (4x4 patches, 6 blocks of width 256) in the layout of a plain PyTorch ViT whose
+# converter is ``attnjax.convert.timm``: torch LayerNorms (eps 1e-5) and dropout on the attention
+# weights. Its evaluation matches that PyTorch model exactly; in training, dropout sits where timm
+# and big_vision put it (after the GELU, after fc2, after the attention projection), where that
+# model drops before the GELU and not after attention.
 _NAMED = {
     "cifar": dict(
         image_size=32,
@@ -112,6 +113,13 @@ def unpatchify(patches, grid_shape, patch_size, channels: int) -> Array:
     return images.reshape(batch, gh * ph, gw * pw, channels)
 
 
+def _layer_norm(module: nn.Module, name: str) -> nn.LayerNorm:
+    """A LayerNorm with ``module``'s epsilon and dtypes (``EncoderBlock`` and ``ViT`` share them)."""
+    return nn.LayerNorm(
+        epsilon=module.layer_norm_eps, dtype=module.dtype, param_dtype=module.param_dtype, name=name
+    )
+
+
 class MlpBlock(nn.Module):
     """``fc1 -> GELU (exact, erf) -> dropout -> fc2 -> dropout``, ``[..., width]`` -> same shape."""
 
@@ -168,14 +176,8 @@ class EncoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, drop_path_rate=0.0):
-        norm = functools.partial(
-            nn.LayerNorm,
-            epsilon=self.layer_norm_eps,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-        )
         drop_path_rate = jnp.asarray(drop_path_rate, jnp.float32)
-        y = norm(name="norm1")(x)
+        y = _layer_norm(self, "norm1")(x)
         y = MultiHeadAttention(
             num_heads=self.num_heads,
             dropout_rate=self.attention_dropout_rate,
@@ -186,7 +188,7 @@ class EncoderBlock(nn.Module):
         y, weights = y if self.return_weights else (y, None)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=self.deterministic)
         x = x + self._drop_path(y, drop_path_rate)
-        y = norm(name="norm2")(x)
+        y = _layer_norm(self, "norm2")(x)
         y = MlpBlock(
             self.mlp_dim,
             self.dropout_rate,
@@ -229,7 +231,7 @@ class ViT(nn.Module):
       dropout_rate: dropout on the embeddings, after attention and in the MLP.
       attention_dropout_rate: dropout on the attention weights.
       drop_path_rate: stochastic depth, rising linearly from 0 (first block) to this value (last).
-      layer_norm_eps: 1e-6 (timm, big_vision); torch's default, as in the seed model, is 1e-5.
+      layer_norm_eps: 1e-6 (timm, big_vision); torch's default (the "cifar" variant) is 1e-5.
       dtype: computation dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
       scan_layers: apply one block with ``nn.scan`` (compile time independent of depth).
       remat: recompute each block's activations in the backward pass (saves memory).
@@ -290,17 +292,12 @@ class ViT(nn.Module):
                 f"ViT: images are {height}x{width} (shape {images.shape}), expected image_size "
                 f"{self.image_size!r}"
             )
-        ph, pw = _pair(self.patch_size, "patch_size")
-        if height % ph or width % pw:
-            raise ValueError(
-                f"ViT: image size {height}x{width} (images shape {images.shape}) is not divisible "
-                f"by patch_size {ph}x{pw}"
-            )
-        return height // ph, width // pw
 
     def _embed(self, images, train: bool):
-        grid_h, grid_w = self._check_images(images)
+        self._check_images(images)
         x = patchify(images.astype(self.dtype or images.dtype), self.patch_size)
+        ph, pw = _pair(self.patch_size, "patch_size")
+        grid_h, grid_w = images.shape[1] // ph, images.shape[2] // pw
         x = nn.Dense(
             self.width, dtype=self.dtype, param_dtype=self.param_dtype, name="patch_embed"
         )(x)
@@ -362,18 +359,12 @@ class ViT(nn.Module):
         x = self._embed(images, train)
         x, attention_weights = self._encode(x, train, return_aux)
         use_fc_norm = self.pool == "gap" if self.fc_norm is None else self.fc_norm
-        norm = functools.partial(
-            nn.LayerNorm,
-            epsilon=self.layer_norm_eps,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-        )
         if not use_fc_norm:
-            x = norm(name="norm")(x)
+            x = _layer_norm(self, "norm")(x)
         num_prefix = 1 if self.class_token else 0
         x = x[:, 0] if self.pool == "cls" else jnp.mean(x[:, num_prefix:], axis=1)
         if use_fc_norm:
-            x = norm(name="fc_norm")(x)
+            x = _layer_norm(self, "fc_norm")(x)
         if self.representation_size is not None:
             x = nn.Dense(
                 self.representation_size,
@@ -459,7 +450,7 @@ def unstack_block_params(params: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Attention rollout and plots
+# Attention rollout
 # --------------------------------------------------------------------------------------------
 
 
@@ -505,48 +496,3 @@ def attention_rollout(
     rollout = functools.reduce(lambda acc, layer: layer @ acc, mixed)
     source = rollout[:, 0] if num_prefix_tokens else rollout.mean(axis=1)  # [batch, tokens]
     return source[:, num_prefix_tokens:].reshape(-1, grid_h, grid_w)
-
-
-def plot_attention_maps(images, heatmaps, path, *, titles: Sequence[str] | None = None, alpha=0.6):
-    """Draw each image above the image overlaid with its heat map; save a PNG at ``path``.
-
-    Args:
-      images: ``[n, H, W, C]`` (C = 1 or 3) with values in [0, 1] (other ranges are min-max scaled).
-      heatmaps: ``[n, gh, gw]`` (e.g. from ``attention_rollout``), upsampled to the image size.
-      path: output PNG file.
-      titles: optional one title per image.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    images = np.asarray(images, dtype=np.float32)
-    heatmaps = np.asarray(heatmaps, dtype=np.float32)
-    if images.ndim != 4 or heatmaps.ndim != 3 or len(images) != len(heatmaps):
-        raise ValueError(
-            "plot_attention_maps: expected images [n, H, W, C] and heatmaps [n, gh, gw], got "
-            f"shapes {images.shape} and {heatmaps.shape}"
-        )
-    n = len(images)
-    fig, axes = plt.subplots(2, n, figsize=(2 * n, 4.2), squeeze=False)
-    for i in range(n):
-        image = images[i]
-        if image.min() < 0.0 or image.max() > 1.0:
-            image = (image - image.min()) / max(float(image.max() - image.min()), 1e-12)
-        image = image[..., 0] if image.shape[-1] == 1 else image
-        heat = heatmaps[i] / max(float(heatmaps[i].max()), 1e-12)
-        extent = (0, images.shape[2], images.shape[1], 0)
-        axes[0, i].imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent)
-        axes[1, i].imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent)
-        axes[1, i].imshow(
-            heat, cmap="inferno", alpha=alpha, extent=extent, interpolation="bilinear"
-        )
-        if titles is not None:
-            axes[0, i].set_title(str(titles[i]), fontsize=9)
-        for ax in axes[:, i]:
-            ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

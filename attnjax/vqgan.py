@@ -11,11 +11,8 @@ A taming ``ddconfig`` maps onto the ``Encoder``/``Decoder`` fields one to one: `
 ``resolution``, ``z_channels``, ``double_z``. Feature widths ``ch * ch_mult[i]`` must be
 multiples of 32 (GroupNorm(32) everywhere, as in taming).
 
-The quantizer goes beyond taming with options against codebook collapse (all off by default):
-l2-normalised codes, a low-dimensional lookup space, EMA codebook updates and re-seeding of
-dead codes. The last two need state between steps: it lives in the ``"vq_state"`` collection
-(apply with ``mutable=["vq_state"]`` while training); ``reseed_dead_codes`` is a pure function
-the train step calls after the optimiser update.
+The quantizer goes beyond taming with options against codebook collapse (off by default; see
+``VectorQuantizer``). Their state between steps lives in the ``"vq_state"`` collection.
 """
 from __future__ import annotations
 
@@ -24,6 +21,8 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from attnjax.attention import dot_product_attention
 
 Array = jax.Array
 
@@ -62,15 +61,17 @@ class ResnetBlock(nn.Module):
 
 
 class AttnBlock(nn.Module):
-    """Single-head self-attention over all positions, with 1x1 convs as projections: ``[b, h, w, c]``."""
+    """Single-head self-attention over all positions, with 1x1 convs as projections: ``[b, h, w, c]``.
+
+    The ``h * w`` positions are the sequence and ``c`` the head size: ``[b, h * w, 1, c]`` for
+    ``dot_product_attention`` (scale ``1 / sqrt(c)``, as taming's ``c ** -0.5``)."""
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         b, height, width, c = x.shape
         h = _normalize("norm")(x)
-        q, k, v = (_conv(c, 1, name)(h).reshape(b, height * width, c) for name in ("q", "k", "v"))
-        weights = jax.nn.softmax(jnp.einsum("bqc,bkc->bqk", q, k) * c**-0.5, axis=-1)
-        h = jnp.einsum("bqk,bkc->bqc", weights, v).reshape(b, height, width, c)
+        q, k, v = (_conv(c, 1, name)(h).reshape(b, height * width, 1, c) for name in ("q", "k", "v"))
+        h = dot_product_attention(q, k, v).reshape(b, height, width, c)
         return x + _conv(c, 1, "proj_out")(h)
 
 
@@ -91,44 +92,64 @@ class Upsample(nn.Module):
         return _conv(x.shape[-1], 3, "conv")(x)
 
 
-def _check_ddconfig(module: nn.Module) -> None:
-    widths = [module.ch * m for m in module.ch_mult]
-    if any(w % 32 for w in widths):
-        raise ValueError(
-            f"{type(module).__name__}: every width ch * ch_mult[i] must be a multiple of 32 "
-            f"(GroupNorm(32)), got ch={module.ch}, ch_mult={tuple(module.ch_mult)} -> {widths}"
-        )
-    factor = 2 ** (len(module.ch_mult) - 1)
-    if module.resolution % factor:
-        raise ValueError(
-            f"{type(module).__name__}: resolution={module.resolution} must be divisible by "
-            f"2**(len(ch_mult) - 1) = {factor}"
-        )
-
-
-class Encoder(nn.Module):
-    """Image ``[b, H, W, in_channels]`` -> latents ``[b, H/f, W/f, z_channels (x2 if double_z)]``,
-    with ``f = 2 ** (len(ch_mult) - 1)``. Attention follows each ResNet block at the levels whose
-    nominal resolution (``resolution`` halved per level) is in ``attn_resolutions``."""
+class _DDConfig(nn.Module):
+    """The taming ``ddconfig`` fields that ``Encoder``, ``Decoder`` and ``VQGAN`` share."""
 
     ch: int
     ch_mult: Sequence[int]
     num_res_blocks: int
     attn_resolutions: Sequence[int]
-    in_channels: int
     resolution: int
     z_channels: int
+
+    @property
+    def downsample_factor(self) -> int:
+        return 2 ** (len(self.ch_mult) - 1)
+
+    def _check(self, x: Array, arg: str, channels_field: str, downsampled: bool) -> None:
+        """The widths and resolution, and the input ``x`` (named ``arg``): ``[b, h, w, channels]``
+        with ``channels = getattr(self, channels_field)``; ``h, w`` multiples of the downsampling
+        factor when the module ``downsampled`` them."""
+        where, channels, factor = type(self).__name__, getattr(self, channels_field), self.downsample_factor
+        if x.ndim != 4 or x.shape[-1] != channels:
+            raise ValueError(f"{where}: {arg} must be [batch, height, width, {channels}] "
+                             f"({channels_field}={channels}), got shape {x.shape}")
+        if downsampled and (x.shape[1] % factor or x.shape[2] % factor):
+            raise ValueError(f"{where}: {arg} height and width must be divisible by {factor} "
+                             f"(2 ** (len(ch_mult) - 1)), got shape {x.shape}")
+        widths = [self.ch * m for m in self.ch_mult]
+        if any(w % 32 for w in widths):
+            raise ValueError(
+                f"{where}: every width ch * ch_mult[i] must be a multiple of 32 "
+                f"(GroupNorm(32)), got ch={self.ch}, ch_mult={tuple(self.ch_mult)} -> {widths}")
+        if self.resolution % factor:
+            raise ValueError(f"{where}: resolution={self.resolution} must be divisible by "
+                             f"2**(len(ch_mult) - 1) = {factor}")
+
+
+_DDCONFIG_FIELDS = ("ch", "ch_mult", "num_res_blocks", "attn_resolutions", "resolution", "z_channels")
+
+
+def _middle(h: Array, dropout: float, train: bool) -> Array:
+    """ResNet, attention, ResNet at the lowest resolution; named as taming's ``mid`` submodules
+    inside the calling ``Encoder``/``Decoder``."""
+    h = ResnetBlock(h.shape[-1], dropout, name="mid_block_1")(h, train)
+    h = AttnBlock(name="mid_attn_1")(h)
+    return ResnetBlock(h.shape[-1], dropout, name="mid_block_2")(h, train)
+
+
+class Encoder(_DDConfig):
+    """Image ``[b, H, W, in_channels]`` -> latents ``[b, H/f, W/f, z_channels (x2 if double_z)]``,
+    with ``f = 2 ** (len(ch_mult) - 1)``. Attention follows each ResNet block at the levels whose
+    nominal resolution (``resolution`` halved per level) is in ``attn_resolutions``."""
+
+    in_channels: int
     double_z: bool = True
     dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x: Array, train: bool = False) -> Array:
-        _check_ddconfig(self)
-        if x.ndim != 4 or x.shape[-1] != self.in_channels:
-            raise ValueError(
-                f"Encoder: x must be [batch, height, width, {self.in_channels}] "
-                f"(in_channels={self.in_channels}), got shape {x.shape}"
-            )
+        self._check(x, "x", "in_channels", downsampled=True)
         h = _conv(self.ch, 3, "conv_in")(x)
         res = self.resolution
         for level, mult in enumerate(self.ch_mult):
@@ -139,43 +160,26 @@ class Encoder(nn.Module):
             if level != len(self.ch_mult) - 1:
                 h = Downsample(name=f"down_{level}_downsample")(h)
                 res //= 2
-        width = h.shape[-1]
-        h = ResnetBlock(width, self.dropout, name="mid_block_1")(h, train)
-        h = AttnBlock(name="mid_attn_1")(h)
-        h = ResnetBlock(width, self.dropout, name="mid_block_2")(h, train)
+        h = _middle(h, self.dropout, train)
         h = nn.swish(_normalize("norm_out")(h))
         return _conv(2 * self.z_channels if self.double_z else self.z_channels, 3, "conv_out")(h)
 
 
-class Decoder(nn.Module):
+class Decoder(_DDConfig):
     """Latents ``[b, h, w, z_channels]`` -> image ``[b, h*f, w*f, out_ch]``, mirroring ``Encoder``
     with ``num_res_blocks + 1`` blocks per level. The features entering ``conv_out`` are sown as
     ``intermediates/pre_conv_out``: the VQGAN loss takes its adaptive weight at that last layer."""
 
-    ch: int
-    ch_mult: Sequence[int]
-    num_res_blocks: int
-    attn_resolutions: Sequence[int]
     out_ch: int
-    resolution: int
-    z_channels: int
     dropout: float = 0.0
 
     @nn.compact
     def __call__(self, z: Array, train: bool = False) -> Array:
-        _check_ddconfig(self)
-        if z.ndim != 4 or z.shape[-1] != self.z_channels:
-            raise ValueError(
-                f"Decoder: z must be [batch, height, width, {self.z_channels}] "
-                f"(z_channels={self.z_channels}), got shape {z.shape}"
-            )
+        self._check(z, "z", "z_channels", downsampled=False)
         levels = len(self.ch_mult)
         width = self.ch * self.ch_mult[-1]
         res = self.resolution // 2 ** (levels - 1)
-        h = _conv(width, 3, "conv_in")(z)
-        h = ResnetBlock(width, self.dropout, name="mid_block_1")(h, train)
-        h = AttnBlock(name="mid_attn_1")(h)
-        h = ResnetBlock(width, self.dropout, name="mid_block_2")(h, train)
+        h = _middle(_conv(width, 3, "conv_in")(z), self.dropout, train)
         for level in reversed(range(levels)):
             for i in range(self.num_res_blocks + 1):
                 h = ResnetBlock(self.ch * self.ch_mult[level], self.dropout, name=f"up_{level}_block_{i}")(h, train)
@@ -193,10 +197,22 @@ def _l2_normalize(x: Array, eps: float = 1e-12) -> Array:
     return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
 
 
-def codebook_statistics(indices: Array, n_embed: int) -> dict[str, Array]:
-    """Perplexity ``exp(H(p))`` of the code histogram and the fraction of codes used at least once."""
-    counts = jnp.bincount(indices.reshape(-1), length=n_embed).astype(jnp.float32)
-    probs = counts / jnp.maximum(counts.sum(), 1.0)
+def codebook_statistics(indices: Array, n_embed: int, weights: Array | None = None) -> dict[str, Array]:
+    """How the codes of ``indices [batch, ...]`` are spread over the ``n_embed`` codes.
+
+    Returns ``perplexity``, ``exp(H(p))`` of the code histogram ``p`` (``n_embed`` when every code
+    is used equally, 1 when one code takes all), and ``codebook_usage``, the fraction of codes used
+    at least once. ``weights [batch]`` (e.g. 0 for padding examples) weighs each example's codes.
+    """
+    flat_weights = None
+    if weights is not None:
+        weights = jnp.asarray(weights, jnp.float32)
+        if weights.shape != indices.shape[:1]:
+            raise ValueError(f"codebook_statistics: weights must be [batch] = {indices.shape[:1]} "
+                             f"for indices of shape {indices.shape}, got shape {weights.shape}")
+        flat_weights = jnp.repeat(weights, indices.size // max(indices.shape[0], 1))
+    counts = jnp.bincount(indices.reshape(-1), flat_weights, length=n_embed).astype(jnp.float32)
+    probs = counts / jnp.maximum(counts.sum(), 1e-10)
     return {
         "perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))),
         "codebook_usage": jnp.mean(counts > 0),
@@ -223,6 +239,9 @@ class VectorQuantizer(nn.Module):
         loss keeps only ``beta`` x the commitment term.
       usage_decay: track a moving average ``vq_state/usage`` of each code's share of the
         assignments, scaled so that 1 is a uniform share; ``reseed_dead_codes`` reads it.
+
+    ``ema_decay`` and ``usage_decay`` keep state in ``vq_state``: apply with
+    ``mutable=["vq_state"]`` and ``train=True`` to update it.
     """
 
     n_embed: int
@@ -344,39 +363,27 @@ def reseed_dead_codes(params, vq_state, latents: Array, rng: Array, threshold: f
     def reseed(codes):
         return jnp.where(dead[:, None], picks.astype(codes.dtype), codes)
 
-    params = dict(params)
     if "embedding" in state:
         # A reseeded EMA code restarts as one assignment of its seed encoding.
-        state["embedding"] = reseed(state["embedding"])
-        state["embed_sum"] = reseed(state["embed_sum"])
-        state["cluster_size"] = jnp.where(dead, 1.0, state["cluster_size"])
+        state.update(embedding=reseed(state["embedding"]), embed_sum=reseed(state["embed_sum"]),
+                     cluster_size=jnp.where(dead, 1.0, state["cluster_size"]))
     else:
-        quantize = dict(params["quantize"])
-        quantize["embedding"] = reseed(quantize["embedding"])
-        params["quantize"] = quantize
+        params = {**params, "quantize": {**params["quantize"],
+                                         "embedding": reseed(params["quantize"]["embedding"])}}
     state["usage"] = jnp.where(dead, 1.0, state["usage"])
-    vq_state = dict(vq_state)
-    vq_state["quantize"] = state
-    return params, vq_state, dead.sum()
+    return params, {**vq_state, "quantize": state}, dead.sum()
 
 
-class VQGAN(nn.Module):
+class VQGAN(_DDConfig):
     """Encoder -> 1x1 conv -> VectorQuantizer -> 1x1 conv -> Decoder (taming's ``VQModel``).
 
     Images ``[b, H, W, in_channels]`` (taming feeds pixels in [-1, 1]); token grid
     ``[b, H/f, W/f]`` with ``f = 2 ** (len(ch_mult) - 1)``. ``quantizer`` holds extra
-    ``VectorQuantizer`` options (``legacy``, ``l2_normalize``, ``lookup_dim``, ``ema_decay``,
-    ``usage_decay``); taming's VQModel is ``beta=0.25`` and ``legacy=True``.
+    ``VectorQuantizer`` fields; taming's VQModel is ``beta=0.25`` and ``quantizer={"legacy": True}``.
     """
 
-    ch: int
-    ch_mult: Sequence[int]
-    num_res_blocks: int
-    attn_resolutions: Sequence[int]
     in_channels: int
     out_ch: int
-    resolution: int
-    z_channels: int
     n_embed: int
     embed_dim: int
     double_z: bool = False
@@ -385,33 +392,18 @@ class VQGAN(nn.Module):
     quantizer: Any = None
 
     def setup(self):
-        shared = dict(
-            ch=self.ch,
-            ch_mult=tuple(self.ch_mult),
-            num_res_blocks=self.num_res_blocks,
-            attn_resolutions=tuple(self.attn_resolutions),
-            resolution=self.resolution,
-            z_channels=self.z_channels,
-            dropout=self.dropout,
-        )
+        shared = {name: getattr(self, name) for name in _DDCONFIG_FIELDS}
+        # Lists (from a config file) become tuples: module fields must be hashable.
+        shared.update(ch_mult=tuple(self.ch_mult), attn_resolutions=tuple(self.attn_resolutions),
+                      dropout=self.dropout)
         self.encoder = Encoder(in_channels=self.in_channels, double_z=self.double_z, **shared)
         self.decoder = Decoder(out_ch=self.out_ch, **shared)
         self.quant_conv = nn.Conv(self.embed_dim, (1, 1))
         self.quantize = VectorQuantizer(self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {}))
         self.post_quant_conv = nn.Conv(self.z_channels, (1, 1))
 
-    @property
-    def downsample_factor(self) -> int:
-        return 2 ** (len(self.ch_mult) - 1)
-
     def encode(self, x: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
         """``x [b, H, W, in_channels]`` -> ``(quantized [b, h, w, embed_dim], indices [b, h, w], aux)``."""
-        f = self.downsample_factor
-        if x.ndim != 4 or x.shape[1] % f or x.shape[2] % f:
-            raise ValueError(
-                f"VQGAN.encode: x must be [batch, height, width, channels] with height and width "
-                f"divisible by {f} (2 ** (len(ch_mult) - 1)), got shape {x.shape}"
-            )
         return self.quantize(self.quant_conv(self.encoder(x, train)), train)
 
     def decode(self, quantized: Array, train: bool = False) -> Array:
@@ -433,8 +425,7 @@ class VQGAN(nn.Module):
 
 def create_vqgan(ddconfig, n_embed: int, embed_dim: int, **kwargs) -> VQGAN:
     """A ``VQGAN`` from a taming ``ddconfig`` mapping (unknown taming keys are rejected)."""
-    known = {"ch", "ch_mult", "num_res_blocks", "attn_resolutions", "in_channels", "out_ch",
-             "resolution", "z_channels", "double_z", "dropout"}
+    known = set(_DDCONFIG_FIELDS) | {"in_channels", "out_ch", "double_z", "dropout"}
     extra = set(ddconfig) - known
     if extra:
         raise ValueError(f"create_vqgan: unknown ddconfig keys {sorted(extra)}; expected a subset of {sorted(known)}")
@@ -459,8 +450,10 @@ class NLayerDiscriminator(nn.Module):
     -> logits ``[b, H', W', 1]``, one per overlapping patch.
 
     Layer names are the indices of taming's ``nn.Sequential`` (``main_0``, ``main_2``, ...).
-    ``norm`` is ``"batch"`` (taming's default), ``"actnorm"`` or ``"none"``; with a norm the convs
-    before it have no bias. Batch statistics live in ``batch_stats`` (mutable when ``train``).
+    ``norm`` is ``"batch"`` (taming's default), ``"actnorm"`` (taming's ``use_actnorm=True``) or
+    ``"none"``. As in taming, only BatchNorm drops the bias of the convs it follows (its shift
+    makes one redundant); with ActNorm or no norm every conv has a bias. Batch statistics live in
+    ``batch_stats`` (mutable when ``train``).
     """
 
     ndf: int = 64
@@ -471,39 +464,35 @@ class NLayerDiscriminator(nn.Module):
     def __call__(self, x: Array, train: bool = False) -> Array:
         if self.norm not in ("batch", "actnorm", "none"):
             raise ValueError(f"NLayerDiscriminator: norm must be 'batch', 'actnorm' or 'none', got {self.norm!r}")
-        kernel_init = nn.initializers.normal(0.02)  # taming's weights_init
-        index = 0
-
-        def conv(h, features, stride, bias):
-            nonlocal index
-            layer = nn.Conv(features, (4, 4), strides=(stride, stride), padding=((1, 1), (1, 1)),
-                            use_bias=bias, kernel_init=kernel_init, name=f"main_{index}")
+        normed_bias = self.norm != "batch"
+        # (features, stride, conv bias, followed by a norm): a stride-2 conv without a norm, then
+        # the widths double (up to 8 ndf) per layer, the last of them at stride 1.
+        layers = [(self.ndf, 2, True, False)]
+        layers += [(self.ndf * min(2**n, 8), 2 if n < self.n_layers else 1, normed_bias, True)
+                   for n in range(1, self.n_layers + 1)]
+        index = 0  # position in taming's Sequential, where every norm and activation counts
+        for features, stride, bias, normed in layers:
+            x = self._conv(features, stride, bias, index)(x)
             index += 1
-            return layer(h)
-
-        def norm(h):
-            nonlocal index
-            name = f"main_{index}"
+            if normed:
+                x = self._norm(f"main_{index}", train)(x)
+                index += 1
+            x = nn.leaky_relu(x, 0.2)
             index += 1
-            if self.norm == "batch":
-                scale_init = lambda rng, shape, dtype=jnp.float32: 1.0 + 0.02 * jax.random.normal(rng, shape, dtype)
-                return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                                    scale_init=scale_init, name=name)(h)
-            if self.norm == "actnorm":
-                return ActNorm(name=name)(h)
-            return h
+        return self._conv(1, 1, True, index)(x)
 
-        def act(h):
-            nonlocal index
-            index += 1
-            return nn.leaky_relu(h, 0.2)
+    def _conv(self, features: int, stride: int, bias: bool, index: int) -> nn.Conv:
+        return nn.Conv(features, (4, 4), strides=(stride, stride), padding=((1, 1), (1, 1)),
+                       use_bias=bias, kernel_init=nn.initializers.normal(0.02),  # taming's weights_init
+                       name=f"main_{index}")
 
-        use_bias = self.norm != "batch"
-        h = act(conv(x, self.ndf, 2, True))
-        mult = 1
-        for n in range(1, self.n_layers):
-            mult = min(2**n, 8)
-            h = act(norm(conv(h, self.ndf * mult, 2, use_bias)))
-        mult = min(2**self.n_layers, 8)
-        h = act(norm(conv(h, self.ndf * mult, 1, use_bias)))
-        return conv(h, 1, 1, True)
+    def _norm(self, name: str, train: bool):
+        if self.norm == "batch":
+            def scale_init(rng, shape, dtype=jnp.float32):  # taming's weights_init: N(1, 0.02)
+                return 1.0 + 0.02 * jax.random.normal(rng, shape, dtype)
+
+            return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                                scale_init=scale_init, name=name)
+        if self.norm == "actnorm":
+            return ActNorm(name=name)
+        return lambda h: h

@@ -4,9 +4,9 @@ One small GPT (random weights, converted so all three run the same network) gene
 tokens after a one-token prefix (``block_size = L``) with temperature 1 and top-k, for every
 sequence length ``L`` in {16, 64, 256} and batch in {1, 16, 64}:
 
-* ``cached``: ``attnjax.prior.sample``, one jit program, key/value cache, one token per
+* ``cached``: ``attnjax.sampling.sample``, one jit program, key/value cache, one token per
   ``lax.scan`` step.
-* ``recompute``: ``attnjax.prior.sample_recompute``, one jit program that runs the full causal
+* ``recompute``: ``attnjax.sampling.sample_recompute``, one jit program that runs the full causal
   pass over the fixed-size ``[batch, L]`` buffer for every token.
 * ``taming``: ``taming.modules.transformer.mingpt.sample`` (PyTorch, eager, ``torch.no_grad``,
   ``--torch_threads`` intra-op threads, default 1), which re-runs the model on the growing
@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from attnjax import prior  # noqa: E402
+from attnjax import sampling  # noqa: E402
 from attnjax.convert.taming import gpt_from_taming  # noqa: E402
 from taming.modules.transformer import mingpt  # noqa: E402
 
@@ -70,7 +70,7 @@ def run(lengths, batches):
             rng = jax.random.key(0)
             tokens = batch * length
             row = {"length": length, "batch": batch}
-            for name, sampler in (("cached", prior.sample), ("recompute", prior.sample_recompute)):
+            for name, sampler in (("cached", sampling.sample), ("recompute", sampling.sample_recompute)):
                 program = jax.jit(lambda p, x, r, sampler=sampler: sampler(model, p, x, r, length, top_k=TOP_K))
                 start = time.perf_counter()
                 compiled = program.lower(params, prefix, rng).compile()

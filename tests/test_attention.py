@@ -193,11 +193,11 @@ def test_dropout_drops_and_rescales_weights():
 
 
 # --------------------------------------------------------------------------------------------
-# Worked examples of the study notes
+# Worked examples, computed by hand
 # --------------------------------------------------------------------------------------------
 
 
-def test_seed_004_worked_example():
+def test_three_token_worked_example():
     inputs = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], np.float32)
     w_query = np.array([[1, 0, 1], [1, 0, 0], [0, 0, 1], [0, 1, 1]], np.float32)
     w_key = np.array([[0, 0, 1], [1, 1, 0], [0, 1, 0], [1, 1, 0]], np.float32)
@@ -209,7 +209,7 @@ def test_seed_004_worked_example():
     np.testing.assert_allclose(out, expected, atol=1e-4)
 
 
-def test_seed_002_causal_uniform_attention_is_prefix_mean():
+def test_causal_uniform_attention_is_prefix_mean():
     x = np.random.default_rng(42).normal(size=(4, 8, 2)).astype(np.float32)
     tril = np.tril(np.ones((8, 8), np.float32))
     prefix_mean = (tril / tril.sum(1, keepdims=True)) @ x

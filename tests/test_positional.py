@@ -29,9 +29,9 @@ def test_sinusoidal_matches_formula(length, dim, base):
     np.testing.assert_allclose(ours, formula(range(length), dim, base), rtol=1e-5, atol=1e-5)
 
 
-def test_sinusoidal_worked_example_follows_formula_not_the_notes():
-    # The study notes give PE_1 = [0.8415, 0.5403, 0.0001, 1.0000] for d=4; the formula's third
-    # entry is sin(1 / 10000^(2/4)) = sin(0.01) = 0.0100. The formula wins.
+def test_sinusoidal_worked_example_follows_the_formula():
+    # A worked example with PE_1 = [0.8415, 0.5403, 0.0001, 1.0000] for d=4 circulates; the
+    # formula's third entry is sin(1 / 10000^(2/4)) = sin(0.01) = 0.0100. The formula wins.
     pe1 = np.asarray(positional.sinusoidal_encoding(2, 4)[1])
     np.testing.assert_allclose(pe1, [0.8415, 0.5403, 0.0100, 1.0000], atol=1e-4)
     assert abs(pe1[2] - 0.0001) > 5e-3

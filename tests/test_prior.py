@@ -1,4 +1,5 @@
-"""attnjax/prior.py against taming's minGPT, and the cached sampler against full recompute."""
+"""attnjax/prior.py against taming's minGPT and net2net objective, and the prior task."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import torch
 from conftest import assert_close
 
-from attnjax import prior
+from attnjax import prior, sampling
 from attnjax.convert.taming import gpt_from_taming
 from taming.modules.transformer import mingpt
 
@@ -49,9 +50,8 @@ def test_gpt_from_taming_reads_the_architecture(converted):
     _, model, variables = converted
     assert (model.vocab_size, model.block_size, model.n_layer, model.n_embd) == (37, 24, 2, 32)
     own = prior.GPT(vocab_size=37, block_size=24, n_layer=2, n_head=4, n_embd=32)
-    own_shapes = jax.tree.map(jnp.shape, jax.eval_shape(own.init, jax.random.key(0),
-                                                        jnp.zeros((1, 24), jnp.int32)))
-    assert jax.tree.map(jnp.shape, variables) == own_shapes
+    own_shapes = jax.eval_shape(own.init, jax.random.key(0), jnp.zeros((1, 24), jnp.int32))
+    chex.assert_trees_all_equal_shapes(variables, own_shapes)
 
 
 def test_training_objective_matches_net2net(converted):
@@ -73,49 +73,6 @@ def test_training_objective_matches_net2net(converted):
     assert_close(nll, torch_nll.item(), what="cross-entropy")
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        dict(temperature=0.8, top_k=5),
-        dict(temperature=1.3, top_p=0.7),
-        dict(temperature=0.0),
-        dict(temperature=0.9, top_k=8, guidance=2.5, null_prefix=[[36, 0], [36, 0], [36, 0]]),
-    ],
-    ids=["top_k", "top_p", "greedy", "guided"],
-)
-def test_cached_sampling_equals_full_recompute(converted, settings):
-    _, model, variables = converted
-    params = variables["params"]
-    prefix = jnp.array([[33, 3], [34, 7], [35, 1]], jnp.int32)
-    rng = jax.random.key(7)
-    tokens, logits = prior.sample(model, params, prefix, rng, 20, num_codes=32, return_logits=True,
-                                  **settings)
-    ref_tokens, ref_logits = prior.sample_recompute(model, params, prefix, rng, 20, num_codes=32,
-                                                    return_logits=True, **settings)
-    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
-    assert_close(logits, ref_logits, what="logits along the cached sampling")
-    assert tokens.shape == (3, 20) and int(tokens.max()) < 32
-    # And the logits are the model's: a plain forward pass over the sampled sequence.
-    forward = jax.jit(model.apply)
-    full = forward(variables, jnp.concatenate([prefix, tokens[:, :-1]], axis=1))[:, 1:]
-    if "guidance" in settings:
-        null = jnp.asarray(settings["null_prefix"], jnp.int32)
-        unconditional = forward(variables, jnp.concatenate([null, tokens[:, :-1]], axis=1))[:, 1:]
-        full = unconditional + settings["guidance"] * (full - unconditional)
-    assert_close(logits, full, rtol=1e-4, atol=1e-5, what="sampler logits vs forward pass")
-
-
-def test_sampling_is_determined_by_the_key(converted):
-    _, model, variables = converted
-    prefix = jnp.full((64, 1), 33, jnp.int32)
-    first = prior.sample(model, variables["params"], prefix, jax.random.key(1), 8, num_codes=32)
-    again = prior.sample(model, variables["params"], prefix, jax.random.key(1), 8, num_codes=32)
-    other = prior.sample(model, variables["params"], prefix, jax.random.key(2), 8, num_codes=32)
-    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
-    assert not np.array_equal(np.asarray(first), np.asarray(other))
-    assert len({tuple(row) for row in np.asarray(first)}) > 1, "batch rows must draw independently"
-
-
 def test_prefix_and_vocabulary_conventions():
     np.testing.assert_array_equal(np.asarray(prior.prefix_tokens(np.array([0, 9]), 128, 10)), [[128], [137]])
     np.testing.assert_array_equal(np.asarray(prior.prefix_tokens(None, 128, 0, batch=2)), [[128], [128]])
@@ -126,29 +83,12 @@ def test_prefix_and_vocabulary_conventions():
         prior.prefix_tokens(None, 128, 10)
 
 
-def test_filter_logits_top_k_and_top_p():
-    logits = jnp.log(jnp.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    kept = lambda x: np.isfinite(np.asarray(x))[0].tolist()  # noqa: E731
-    assert kept(prior.filter_logits(logits, top_k=2)) == [True, True, False, False, False]
-    # 0.5 < 0.6, 0.5 + 0.2 crosses 0.6: the crossing token is kept.
-    assert kept(prior.filter_logits(logits, top_p=0.6)) == [True, True, False, False, False]
-    assert kept(prior.filter_logits(logits, top_p=0.4)) == [True, False, False, False, False]
-    assert kept(prior.filter_logits(logits, num_codes=3)) == [True, True, True, False, False]
-
-
-def test_bad_sampling_arguments_raise(converted):
+def test_gpt_rejects_indices_that_are_not_batch_by_length(converted):
     _, model, variables = converted
-    prefix = jnp.zeros((2, 1), jnp.int32)
-    with pytest.raises(ValueError, match="block_size=24"):
-        prior.sample(model, variables["params"], prefix, jax.random.key(0), 25)
-    with pytest.raises(ValueError, match="top_k"):
-        prior.sample(model, variables["params"], prefix, jax.random.key(0), 4, top_k=0)
-    with pytest.raises(ValueError, match="top_p"):
-        prior.sample(model, variables["params"], prefix, jax.random.key(0), 4, top_p=1.5)
-    with pytest.raises(ValueError, match="null_prefix"):
-        prior.sample(model, variables["params"], prefix, jax.random.key(0), 4, guidance=2.0)
     with pytest.raises(ValueError, match="indices must be"):
         model.apply(variables, jnp.zeros((24,), jnp.int32))
+    with pytest.raises(ValueError, match="exceeds block_size=24"):
+        model.apply(variables, jnp.zeros((1, 25), jnp.int32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,10 +144,10 @@ def test_prior_task_learns_class_conditional_sequences():
     # Greedy sampling from each class prefix reproduces that class's sequence, also guided.
     classes = np.arange(4, dtype=np.int32)
     prefix = prior.prefix_tokens(classes, 16, 4)
-    tokens = prior.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
+    tokens = sampling.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
                           num_codes=16)
     np.testing.assert_array_equal(np.asarray(tokens), _pattern_codes(classes))
-    guided = prior.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
+    guided = sampling.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
                           num_codes=16, guidance=2.0, null_prefix=prior.null_tokens(16, 4, 4))
     np.testing.assert_array_equal(np.asarray(guided), _pattern_codes(classes))
 

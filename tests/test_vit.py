@@ -1,12 +1,13 @@
-"""attnjax.vit against a PyTorch reference of the study notes' VisionTransformer (seed 000 layout).
+"""attnjax.vit against a plain PyTorch VisionTransformer (the layout of the "cifar" variant).
 
-The reference below is our own PyTorch code with the seed's architecture and parameter names:
+The reference below is our own PyTorch code, with this architecture and these parameter names:
 patches flattened (C, row, col), Linear patch embedding, class token, learned position table,
 pre-LN blocks with torch.nn.MultiheadAttention and a Linear-GELU-Linear MLP, final LayerNorm, head
 on the class token.
 """
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ from attnjax import vit
 from attnjax.convert.timm import vit_from_torch_reference
 
 
-class SeedBlock(nn.Module):
+class TorchBlock(nn.Module):
     def __init__(self, hidden_size, mlp_size, n_heads, p_dropout):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size)
@@ -40,7 +41,7 @@ class SeedBlock(nn.Module):
         return x, weights
 
 
-class SeedViT(nn.Module):
+class TorchViT(nn.Module):
     def __init__(self, in_channels=3, patch_size=4, image_size=32, layers=6, hidden_size=256,
                  mlp_size=512, n_heads=8, num_classes=10, p_dropout=0.2):
         super().__init__()
@@ -50,7 +51,7 @@ class SeedViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, hidden_size))
         self.pos_embed = nn.Parameter(torch.randn(1, num_patches + 1, hidden_size))
         self.transformer_blocks = nn.Sequential(
-            *[SeedBlock(hidden_size, mlp_size, n_heads, p_dropout) for _ in range(layers)]
+            *[TorchBlock(hidden_size, mlp_size, n_heads, p_dropout) for _ in range(layers)]
         )
         self.norm = nn.LayerNorm(hidden_size)
         self.head = nn.Linear(hidden_size, num_classes)
@@ -98,15 +99,15 @@ def _torch_nchw(images_nhwc):
 
 
 @pytest.fixture(scope="module")
-def seed_pair():
+def torch_pair():
     torch.manual_seed(0)
-    reference = _perturbed(SeedViT(**SMALL))
+    reference = _perturbed(TorchViT(**SMALL))
     model, variables = vit_from_torch_reference(reference)
     return reference, model, variables
 
 
-def test_seed_layout_logits_weights_and_pre_logits_match_pytorch(seed_pair):
-    reference, model, variables = seed_pair
+def test_logits_weights_and_pre_logits_match_the_pytorch_model(torch_pair):
+    reference, model, variables = torch_pair
     images = _images(3, 16)
     with torch.no_grad():
         logits_t, weights_t, pre_logits_t = reference(_torch_nchw(images))
@@ -118,8 +119,8 @@ def test_seed_layout_logits_weights_and_pre_logits_match_pytorch(seed_pair):
         assert_close(ours, theirs.numpy(), what=f"attention weights of layer {layer}")
 
 
-def test_cross_entropy_gradients_match_pytorch(seed_pair):
-    reference, model, variables = seed_pair
+def test_cross_entropy_gradients_match_pytorch(torch_pair):
+    reference, model, variables = torch_pair
     images = _images(4, 16, seed=1)
     labels = np.array([0, 3, 1, 4])
     reference.zero_grad()
@@ -145,9 +146,9 @@ def test_cross_entropy_gradients_match_pytorch(seed_pair):
         assert_close(grad, want, rtol=1e-4, atol=floor, what=jax.tree_util.keystr(path))
 
 
-def test_cifar_variant_is_the_seed_model():
+def test_cifar_variant_is_the_pytorch_reference_model():
     torch.manual_seed(1)
-    reference = _perturbed(SeedViT())  # the seed's defaults
+    reference = _perturbed(TorchViT())  # its defaults: the "cifar" variant
     model, variables = vit_from_torch_reference(reference)
     cifar = vit.create_vit("cifar")
     for field in ("patch_size", "width", "depth", "num_heads", "num_classes", "layer_norm_eps", "in_channels"):
@@ -162,8 +163,8 @@ def test_cifar_variant_is_the_seed_model():
     assert_close(logits, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), what="cifar logits")
 
 
-def test_scan_layers_and_remat_give_identical_logits_and_gradients(seed_pair):
-    _, model, variables = seed_pair
+def test_scan_layers_and_remat_give_identical_logits_and_gradients(torch_pair):
+    _, model, variables = torch_pair
     images = _images(2, 16, seed=3)
     fields = {f: getattr(model, f) for f in ("patch_size", "width", "depth", "num_heads", "mlp_dim",
                                              "num_classes", "layer_norm_eps", "image_size")}
@@ -171,9 +172,9 @@ def test_scan_layers_and_remat_give_identical_logits_and_gradients(seed_pair):
     scanned_params = vit.stack_block_params(variables["params"])
     assert "blocks" in scanned_params and "blocks_0" not in scanned_params
     shapes = jax.eval_shape(scanned.init, jax.random.key(0), images)["params"]
-    assert jax.tree.map(jnp.shape, shapes) == jax.tree.map(jnp.shape, scanned_params)
+    chex.assert_trees_all_equal_shapes(shapes, scanned_params)
     round_trip = vit.unstack_block_params(scanned_params)
-    assert jax.tree.all(jax.tree.map(np.array_equal, round_trip, variables["params"]))
+    chex.assert_trees_all_equal(round_trip, variables["params"])
 
     def forward(module):
         return jax.jit(lambda p: module.apply({"params": p}, images, return_aux=True))
@@ -189,15 +190,12 @@ def test_scan_layers_and_remat_give_identical_logits_and_gradients(seed_pair):
         return jax.jit(jax.grad(lambda p: jnp.sum(module.apply({"params": p}, images) ** 2)))(params)
 
     plain = vit.stack_block_params(grads(model, variables["params"]))
-    jax.tree.map(
-        lambda a, b: assert_close(a, b, rtol=1e-5, atol=1e-7, what="scan + remat gradients"),
-        grads(scanned.clone(remat=True), scanned_params),
-        plain,
-    )
+    chex.assert_trees_all_close(grads(scanned.clone(remat=True), scanned_params), plain,
+                                rtol=1e-5, atol=1e-7)
 
 
-def test_bfloat16_compute_stays_close_to_float32(seed_pair):
-    _, model, variables = seed_pair
+def test_bfloat16_compute_stays_close_to_float32(torch_pair):
+    _, model, variables = torch_pair
     images = _images(4, 16, seed=4)
     logits = np.asarray(jax.jit(model.apply)(variables, images))
     logits_bf16 = jax.jit(model.clone(dtype=jnp.bfloat16).apply)(variables, images)
@@ -236,8 +234,8 @@ def test_unknown_field_raises():
         vit.create_vit("S/16", hidden_size=3)
 
 
-def test_bad_images_raise(seed_pair):
-    _, model, variables = seed_pair
+def test_bad_images_raise(torch_pair):
+    _, model, variables = torch_pair
     with pytest.raises(ValueError, match=r"image size 18x16 .*not divisible by patch_size 4x4"):
         model.clone(image_size=None).apply(variables, _images(1, (18, 16)))
     with pytest.raises(ValueError, match=r"1 channels .*expected in_channels=3"):
@@ -250,13 +248,13 @@ def test_bad_images_raise(seed_pair):
         model.clone(pool="max").apply(variables, _images(1, 16))
 
 
-def test_patchify_matches_seed_order_up_to_pixel_order():
+def test_patchify_matches_the_torch_patch_order_up_to_pixel_order():
     images = _images(2, (8, 12), channels=3, seed=5)
     patches = np.asarray(vit.patchify(images, 4))  # [2, 2 * 3, 4 * 4 * 3], pixels (row, col, C)
     nchw = images.transpose(0, 3, 1, 2)
-    seed = nchw.reshape(2, 3, 2, 4, 3, 4).transpose(0, 2, 4, 1, 3, 5).reshape(2, 6, 48)  # (C, row, col)
+    torch_order = nchw.reshape(2, 3, 2, 4, 3, 4).transpose(0, 2, 4, 1, 3, 5).reshape(2, 6, 48)  # (C, row, col)
     reordered = patches.reshape(2, 6, 4, 4, 3).transpose(0, 1, 4, 2, 3).reshape(2, 6, 48)
-    np.testing.assert_array_equal(reordered, seed)
+    np.testing.assert_array_equal(reordered, torch_order)
     np.testing.assert_array_equal(patches[1, 4], images[1, 4:8, 4:8].reshape(-1))  # patch (1, 1)
     np.testing.assert_array_equal(vit.unpatchify(patches, (2, 3), 4, 3), images)
 
@@ -331,8 +329,8 @@ def _numpy_rollout(weights, num_prefix, residual=0.5):
     return result[:, 0, num_prefix:] if num_prefix else result.mean(axis=1)
 
 
-def test_attention_rollout_and_png(seed_pair, tmp_path):
-    _, model, variables = seed_pair
+def test_attention_rollout_matches_a_numpy_rollout(torch_pair):
+    _, model, variables = torch_pair
     images = _images(3, 16, seed=8)
     _, aux = jax.jit(lambda v: model.apply(v, images, return_aux=True))(variables)
     weights = [np.asarray(w, np.float64) for w in aux["attention_weights"]]
@@ -345,5 +343,3 @@ def test_attention_rollout_and_png(seed_pair, tmp_path):
     assert_close(vit.attention_rollout([uniform], (2, 2)), np.full((1, 2, 2), 0.1), what="uniform")
     with pytest.raises(ValueError, match="17 tokens do not match num_prefix_tokens=1 \\+ grid 3x3"):
         vit.attention_rollout(aux["attention_weights"], (3, 3))
-    path = vit.plot_attention_maps(images, heat, tmp_path / "maps.png", titles=["a", "b", "c"])
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000

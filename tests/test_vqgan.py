@@ -2,6 +2,7 @@
 randomly initialised taming modules by attnjax.convert.taming."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -298,3 +299,50 @@ def test_bad_inputs_raise_clear_errors():
         vqgan.create_vqgan(dict(DDCONFIGS["levels"], give_pre_end=True), N_EMBED, EMBED_DIM)
     with pytest.raises(ValueError, match="double_z"):
         taming_convert.vqgan_from_taming({}, dict(DDCONFIGS["levels"], double_z=True), N_EMBED, EMBED_DIM)
+
+
+@pytest.mark.parametrize("use_actnorm", [False, True], ids=["batchnorm", "actnorm"])
+def test_discriminator_conv_biases_follow_taming(use_actnorm):
+    """taming drops a conv's bias only before a BatchNorm; with ActNorm every conv keeps one."""
+    reference = TorchDiscriminator(input_nc=1, ndf=8, n_layers=3, use_actnorm=use_actnorm)
+    taming = {i: layer.bias is not None for i, layer in enumerate(reference.main)
+              if isinstance(layer, torch.nn.Conv2d)}
+    model = vqgan.NLayerDiscriminator(ndf=8, n_layers=3, norm="actnorm" if use_actnorm else "batch")
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((2, 32, 32, 1)))["params"]
+    ours = {int(name[len("main_"):]): "bias" in leaves for name, leaves in params.items() if "kernel" in leaves}
+    assert ours == taming
+    assert all(taming.values()) == use_actnorm
+
+
+def test_codebook_statistics_count_weighted_examples():
+    indices = np.array([[[0, 1], [1, 1]], [[2, 2], [2, 2]], [[3, 3], [3, 0]]])  # [3, 2, 2]
+    weights = np.array([1.0, 0.0, 0.5])  # the second example is padding
+    stats = vqgan.codebook_statistics(jnp.asarray(indices), 5, jnp.asarray(weights))
+    counts = np.array([1 + 0.5, 3, 0, 1.5, 0])  # code 2 only appears in the padding example
+    p = counts / counts.sum()
+    expected = np.exp(-np.sum(p[p > 0] * np.log(p[p > 0])))
+    assert_close(stats["perplexity"], expected, what="weighted perplexity")
+    assert_close(stats["codebook_usage"], 3 / 5, what="weighted usage")
+    plain = vqgan.codebook_statistics(jnp.asarray(indices), 5)
+    assert_close(plain["perplexity"], np.exp(-np.sum(np.array([2, 3, 4, 3]) / 12 * np.log(np.array([2, 3, 4, 3]) / 12))),
+                 what="unweighted perplexity")
+    assert_close(plain["codebook_usage"], 4 / 5, what="unweighted usage")
+    with pytest.raises(ValueError, match=r"weights must be \[batch\] = \(3,\)"):
+        vqgan.codebook_statistics(jnp.asarray(indices), 5, jnp.ones(4))
+
+
+def test_reseeding_a_trained_codebook_replaces_only_the_dead_codes():
+    z = np.random.default_rng(3).normal(size=(1, 4, 4, 3)).astype(np.float32)
+    quantizer = vqgan.VectorQuantizer(6, 3, usage_decay=0.5)
+    variables = quantizer.init(jax.random.PRNGKey(0), z)
+    (_, _, aux), state = quantizer.apply(variables, z, train=True, mutable=["vq_state"])
+    params, vq_state = {"quantize": variables["params"]}, {"quantize": state["vq_state"]}
+    new_params, new_state, reseeded = vqgan.reseed_dead_codes(params, vq_state, aux["latents"],
+                                                              jax.random.PRNGKey(1), threshold=0.5)
+    dead = np.asarray(vq_state["quantize"]["usage"]) < 0.5
+    codes, new_codes = np.asarray(params["quantize"]["embedding"]), np.asarray(new_params["quantize"]["embedding"])
+    assert int(reseeded) == dead.sum() > 0
+    np.testing.assert_array_equal(new_codes[~dead], codes[~dead])
+    assert all(np.isclose(np.asarray(aux["latents"]), code).all(1).any() for code in new_codes[dead])
+    np.testing.assert_array_equal(np.asarray(new_state["quantize"]["usage"])[dead], 1.0)
+    chex.assert_trees_all_equal(params["quantize"]["embedding"], codes)  # the caller's tree is untouched
