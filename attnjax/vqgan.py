@@ -193,9 +193,13 @@ def _l2_normalize(x: Array, eps: float = 1e-12) -> Array:
     return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
 
 
-def codebook_statistics(indices: Array, n_embed: int) -> dict[str, Array]:
-    """Perplexity ``exp(H(p))`` of the code histogram and the fraction of codes used at least once."""
-    counts = jnp.bincount(indices.reshape(-1), length=n_embed).astype(jnp.float32)
+def codebook_statistics(indices: Array, n_embed: int, weights: Array | None = None) -> dict[str, Array]:
+    """Perplexity ``exp(H(p))`` of the code histogram and the fraction of codes used at least once.
+
+    ``weights`` (shaped like ``indices``, e.g. 0 on padding examples) weigh each index's count.
+    """
+    weights = None if weights is None else weights.reshape(-1)
+    counts = jnp.bincount(indices.reshape(-1), weights, length=n_embed).astype(jnp.float32)
     probs = counts / jnp.maximum(counts.sum(), 1.0)
     return {
         "perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))),

@@ -8,7 +8,11 @@ tokens for 32x32 images at f=4). Sizes follow taming's smaller class-conditional
 (width 512, 8 heads) at a depth that suits 50k images; sampling uses taming's ``top_k=100``
 at temperature 1 (``log_images``' defaults).
 """
-from configs import common
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
+from configs import common  # noqa: E402
 
 
 def get_config():

@@ -11,7 +11,11 @@ peak learning rate 1e-3, label smoothing 0.1. That run also used AutoAugment, wh
 not implement (crop+flip only here), and Adam with L2 5e-5; we use AdamW with DeiT's 0.05 decay.
 Expect a GPU and ~1 hour; this recipe has not been run to completion.
 """
-from configs import common
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
+from configs import common  # noqa: E402
 
 EPOCH = 50_000 // 128  # 390 steps
 

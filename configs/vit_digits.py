@@ -2,7 +2,11 @@
 
     python train.py --config configs/vit_digits.py --workdir runs/digits
 """
-from configs import common
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
+from configs import common  # noqa: E402
 
 
 def get_config():

@@ -11,7 +11,11 @@ weight decay, global-norm clipping at 1, batch 512, cosine decay with a short wa
 learning rate from {0.003, 0.01, 0.03, 0.06} (0.03 here), higher resolution (384) than
 pre-training with the position table resized (bicubic) to the 24x24 grid.
 """
-from configs import common
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
+from configs import common  # noqa: E402
 
 
 def get_config():

@@ -8,9 +8,13 @@ perceptual term is on when LPIPS weights are given (converted once from torchvis
 the ``lpips`` package's linear layers with ``python -m attnjax.convert.lpips``); without them it
 is off and the log says so.
 """
+import pathlib
+import sys
+
 import ml_collections
 
-from configs import common
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
+from configs import common  # noqa: E402
 
 
 def get_config():

@@ -13,9 +13,13 @@ taming checkpoint converted with ``attnjax.convert.taming`` fine-tunes as is. LP
 converted once with ``python -m attnjax.convert.lpips``. Needs the TFDS ``imagenet2012`` dataset
 (manual download) and accelerators.
 """
+import pathlib
+import sys
+
 import ml_collections
 
-from configs import common
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
+from configs import common  # noqa: E402
 
 BASE_LEARNING_RATE = 4.5e-6  # taming: per image of the global batch
 
