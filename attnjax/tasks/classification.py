@@ -54,8 +54,8 @@ def _read_params_npz(path: str, model) -> dict:
     with np.load(path) as npz:
         flat = dict(npz)
     if any(k == "embedding/kernel" or k.endswith("/embedding/kernel") for k in flat):
-        # A Google (big_vision / original ViT) checkpoint: convert its names first. The
-        # converter is numpy-only for .npz files (torch_interop imports torch lazily).
+        # A Google (big_vision / original ViT) checkpoint: convert its names first, with the
+        # numpy-only reader (imported here: most runs never read one).
         from attnjax import torch_interop
 
         _, variables = torch_interop.load_google_npz(path, scan_layers=model.scan_layers)
@@ -92,7 +92,7 @@ def load_pretrained(config, model, params):
     ``init_from`` is an ``.npz`` either of attnjax params flattened with "/"-joined keys
     (``pos_embed/pos_embedding``, ``blocks_0/attn/query/kernel``, ...; what
     ``np.savez(path, **flax.traverse_util.flatten_dict(params, sep="/"))`` writes, e.g. after a
-    timm conversion in ``attnjax.torch_interop``), or a Google ViT checkpoint. The head stays
+    timm conversion in ``attnjax.convert.timm``), or a Google ViT checkpoint. The head stays
     freshly initialised (new classes); a position table of another grid size or prefix-token
     count is fitted by ``_adapt_position_table``. Any other missing or mismatched
     parameter is an error (a silent partial load would train from scratch unnoticed).
