@@ -36,6 +36,7 @@ from absl import logging  # noqa: E402
 
 from attnjax import checkpoint  # noqa: E402
 from attnjax.images import save_image_grid  # noqa: E402
+from attnjax.tasks import classification as classification_task  # noqa: E402
 from attnjax.tasks import prior as prior_task  # noqa: E402
 from attnjax.tasks import report  # noqa: E402
 from attnjax.tasks.loop import train_and_evaluate  # noqa: E402
@@ -53,15 +54,6 @@ def load_config(path):
     return module.get_config()
 
 
-def finished_step(workdir: str) -> int | None:
-    """The latest complete checkpoint step in ``workdir`` (None when there is none)."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
-    return max(steps, default=None)
-
-
 def last_eval(workdir: str) -> dict:
     """The metrics of the run's last evaluation, from its ``metrics.jsonl``."""
     merged: dict = {}
@@ -73,7 +65,7 @@ def last_eval(workdir: str) -> dict:
 
 def run_stage(name: str, config, workdir: str, previous: dict) -> dict:
     """Trains ``config`` in ``workdir`` unless its final checkpoint is there -> the stage record."""
-    done = finished_step(workdir)
+    done = checkpoint.latest_step(workdir)
     if done is not None and done >= config.num_train_steps:
         logging.info("stage %s: reusing %s (step %d)", name, workdir, done)
         print(f"[{name}] finished run found in {workdir} (step {done}): reused, not retrained")
@@ -170,7 +162,7 @@ def main(argv=None):
     stages = {name: run_stage(name, configs[name], workdirs[name], previous) for name, _ in STAGES}
 
     eval_start = time.perf_counter()
-    _, predict = checkpoint.make_predict(workdirs["vit"])
+    _, predict = classification_task.make_predict(workdirs["vit"])
     vqgan = prior_task.load_vqgan(workdirs["vqgan"])
     recon_accuracy = reconstruction_accuracy(vqgan, configs["vit"], predict)
     samples_path = os.path.join(args.workdir, "samples.png")

@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import logging as std_logging
 import os
-from typing import Any
-
 import flax.serialization
 import jax
 import ml_collections
@@ -29,10 +27,24 @@ import orbax.checkpoint as ocp
 CONFIG_FILE = "config.json"
 # Config fields that define the model a checkpoint holds; a resumed run must agree on them.
 IDENTITY_FIELDS = ("task", "model_name", "model")
+# Train-state fields holding model variables besides the params, which inference needs too.
+VARIABLE_FIELDS = ("batch_stats", "quantizer_state")
 
 
 def _checkpoint_dir(workdir: str, best: bool = False) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints_best" if best else "checkpoints")
+
+
+def latest_step(workdir: str, best: bool = False) -> int | None:
+    """The newest checkpoint step saved in ``workdir`` (``None`` when there is none).
+
+    Orbax writes a step under a temporary name and renames it when complete, so only finished
+    checkpoints are counted.
+    """
+    directory = _checkpoint_dir(workdir, best)
+    if not os.path.isdir(directory):
+        return None
+    return max(ocp.utils.checkpoint_steps(directory), default=None)
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
@@ -56,9 +68,7 @@ def write_config(workdir: str, config) -> None:
 
 def check_compatible(workdir: str, config) -> None:
     """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model."""
-    has_checkpoints = bool(ocp.utils.checkpoint_steps(_checkpoint_dir(workdir))) if os.path.isdir(
-        _checkpoint_dir(workdir)) else False
-    if not has_checkpoints or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    if latest_step(workdir) is None or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
         return
     saved, current = _jsonable(read_config(workdir)), _jsonable(config)
     differ = {k: (saved.get(k), current.get(k)) for k in IDENTITY_FIELDS
@@ -93,9 +103,6 @@ class Checkpointer:
                     max_to_keep=1, best_fn=lambda m: float(m[metric]), best_mode=mode, create=True),
                 item_names=("state",))
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def save(self, step: int, state, data_state: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
@@ -114,7 +121,7 @@ class Checkpointer:
 
     def restore(self, state, step: int | None = None):
         """Restores into the structure (and shardings) of ``state`` -> ``(state, data_state)``."""
-        step = self.latest_step() if step is None else step
+        step = self.manager.latest_step() if step is None else step
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                               flax.serialization.to_state_dict(state))
         restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -139,8 +146,9 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
       step: which checkpoint (default: the latest, or the best with ``best=True``).
       best: read ``checkpoints_best/`` (the best ``config.best_metric``) instead of the latest.
       use_ema: return the EMA parameters when the run kept them (what its eval used).
-      variables: return the Flax variables dict instead of the params: ``{"params": ...}`` plus
-        ``"batch_stats"`` when the state has them.
+      variables: return a dict ``{"params": ...}`` plus each non-empty state field named in
+        ``VARIABLE_FIELDS`` (BatchNorm statistics, a quantizer's codebook state) instead of
+        the params.
 
     Returns:
       ``(config, params)`` (or ``(config, variables)``) as host numpy trees; tasks with several
@@ -173,25 +181,6 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
     if not variables:
         return config, params
     out = {"params": params}
-    if state.get("batch_stats"):
-        out["batch_stats"] = state["batch_stats"]
+    out.update({name: state[name] for name in VARIABLE_FIELDS if state.get(name)})
     return config, out
 
-
-def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:
-    """``(config, predict)`` for a classification run: ``predict(images) -> logits``.
-
-    ``images``: float ``[batch, H, W, C]`` normalised like the run's eval data
-    (``attnjax.data``); ``logits``: ``[batch, num_classes]``. ``predict`` is jit-compiled with
-    the parameters closed over (one compilation per input shape).
-    """
-    from attnjax import tasks  # the task module knows how to build its model
-
-    config, model_variables = load(workdir, variables=True, **load_kwargs)
-    model = tasks.get_task(config.task).create_model(config)
-
-    @jax.jit
-    def predict(images):
-        return model.apply(model_variables, images, train=False)
-
-    return config, predict

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import grain
 import numpy as np
@@ -213,17 +213,29 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
             lambda ex, rng: {**ex, "image": random_crop_flip(ex["image"], rng, padding, flip)})
     train = train.map(normalize).batch(batch, drop_remainder=True)
 
-    # Every process runs the same number of eval batches (a collective hangs otherwise).
-    eval_shard = grain.MapDataset.source(eval_source)[process_index::process_count]
-    num_eval = len(eval_source)
-    num_batches = math.ceil(math.ceil(num_eval / process_count) / eval_batch)
-    blank = {k: np.zeros_like(v) for k, v in normalize(example(eval_source[0])).items()}
+    evaluation = padded_eval_dataset(eval_source, eval_batch, process_index=process_index,
+                                     process_count=process_count,
+                                     transform=lambda record: normalize(example(record)))
+    return Datasets(train=train, eval=evaluation, num_train_examples=num_train,
+                    num_eval_examples=len(eval_source))
+
+
+def padded_eval_dataset(source, batch_size: int, *, process_index: int = 0, process_count: int = 1,
+                        transform: Callable[[dict], dict] = lambda record: record) -> grain.MapDataset:
+    """This process's share of ``source`` as ``transform``ed batches of ``batch_size``, each
+    example with ``"mask"`` 1.0, completed by all-zero examples with ``"mask"`` 0.0.
+
+    Every process gets the same number of batches, ``ceil(ceil(len(source) / process_count) /
+    batch_size)``: a process that ran one batch fewer would leave the others waiting in a
+    collective.
+    """
+    shard = grain.MapDataset.source(source)[process_index::process_count]
+    num_batches = math.ceil(math.ceil(len(source) / process_count) / batch_size)
+    blank = {k: np.zeros_like(v) for k, v in transform(source[0]).items()}
 
     def eval_example(i):
-        if i < len(eval_shard):
-            return {**normalize(example(eval_shard[i])), "mask": np.float32(1.0)}
+        if i < len(shard):
+            return {**transform(shard[i]), "mask": np.float32(1.0)}
         return {**blank, "mask": np.float32(0.0)}
 
-    evaluation = grain.MapDataset.range(num_batches * eval_batch).map(eval_example)
-    return Datasets(train=train, eval=evaluation.batch(eval_batch), num_train_examples=num_train,
-                    num_eval_examples=num_eval)
+    return grain.MapDataset.range(num_batches * batch_size).map(eval_example).batch(batch_size)

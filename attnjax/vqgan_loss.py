@@ -36,6 +36,11 @@ def vanilla_d_loss(logits_real: Array, logits_fake: Array) -> Array:
 D_LOSSES = {"hinge": hinge_d_loss, "vanilla": vanilla_d_loss}
 
 
+def adversarial_generator_loss(logits_fake: Array) -> Array:
+    """``g_loss = -mean(D(x_rec))``: the generator's adversarial term (before its weights)."""
+    return -jnp.mean(logits_fake)
+
+
 def disc_factor_at(step, disc_start: int, disc_factor: float = 1.0) -> Array:
     """``disc_factor`` from ``disc_start`` on, 0 before (taming's ``adopt_weight``)."""
     return jnp.where(step < disc_start, 0.0, disc_factor)
@@ -91,7 +96,7 @@ def generator_loss(inputs: Array, reconstructions: Array, codebook_loss: Array, 
     loss = nll + codebook_weight * codebook_loss
     log = {"nll_loss": nll, "quant_loss": codebook_loss}
     if discriminator is not None:
-        g_of = lambda r: -jnp.mean(discriminator(r))
+        g_of = lambda r: adversarial_generator_loss(discriminator(r))
         g_loss = g_of(reconstructions)
         # The weight is a constant of the update: computing it on stopped values spares JAX
         # from differentiating through the inner gradients.

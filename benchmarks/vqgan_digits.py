@@ -23,6 +23,7 @@ import numpy as np
 from absl import logging
 
 from attnjax import checkpoint, data
+from attnjax.tasks import classification as classification_task
 from attnjax.tasks import vqgan as vqgan_task
 from attnjax.tasks.loop import train_and_evaluate
 
@@ -66,7 +67,7 @@ def configure(name, steps):
 
 def reconstruction_accuracy(workdir, vit_workdir):
     """Accuracy of the digits ViT on the VQGAN's reconstructions of the test split."""
-    vit_config, predict = checkpoint.make_predict(vit_workdir)
+    vit_config, predict = classification_task.make_predict(vit_workdir)
     run_config, variables = checkpoint.load(workdir, variables=True)
     model, variables = vqgan_task.inference_model(run_config, variables)
     source = data.load_source(run_config.data.name, run_config.data.eval_split, run_config.data.data_dir)

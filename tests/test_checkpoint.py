@@ -1,6 +1,8 @@
 """attnjax/checkpoint.py: Orbax save/restore, best-by-metric, load() for downstream users."""
+import os
 from typing import Any
 
+import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -39,9 +41,7 @@ def make_state(seed, ema=False):
 
 
 def assert_trees_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b)
 
 
 def test_save_restore_roundtrip_and_max_to_keep(tmp_path):
@@ -52,8 +52,8 @@ def test_save_restore_roundtrip_and_max_to_keep(tmp_path):
         ckpt.save(step, make_state(step), {"next_index": 10 * step})
     ckpt.close()
 
+    assert checkpoint.latest_step(workdir) == 3
     ckpt = checkpoint.Checkpointer(workdir, config)
-    assert ckpt.latest_step() == 3
     assert ckpt.manager.all_steps() == [2, 3]
     restored, data_state = ckpt.restore(make_state(0))
     ckpt.close()
@@ -104,3 +104,15 @@ def test_check_compatible_names_the_differing_field(tmp_path):
         checkpoint.check_compatible(workdir, make_config(model=dict(width=16, depth=1)))
     with pytest.raises(ValueError, match="config.task"):
         checkpoint.check_compatible(workdir, make_config(task="vqgan"))
+
+
+def test_latest_step_ignores_unfinished_and_missing(tmp_path):
+    workdir = str(tmp_path)
+    assert checkpoint.latest_step(workdir) is None
+    ckpt = checkpoint.Checkpointer(workdir, make_config())
+    ckpt.save(4, make_state(4), {"next_index": 0})
+    ckpt.close()
+    # A step Orbax had not finished writing when the process died: a temporary name, not counted.
+    os.makedirs(os.path.join(workdir, "checkpoints", "9.orbax-checkpoint-tmp-123"))
+    assert checkpoint.latest_step(workdir) == 4
+    assert checkpoint.latest_step(workdir, best=True) is None

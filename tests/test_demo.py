@@ -7,6 +7,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import demo  # noqa: E402
 
+from attnjax import checkpoint  # noqa: E402
+
 
 def _tiny_vit_config():
     config = demo.load_config("configs/vit_digits.py")
@@ -20,10 +22,10 @@ def _tiny_vit_config():
 def test_a_finished_stage_is_reused_not_retrained(tmp_path):
     config = _tiny_vit_config()
     workdir = str(tmp_path / "vit")
-    assert demo.finished_step(workdir) is None
+    assert checkpoint.latest_step(workdir) is None
 
     first = demo.run_stage("vit", config, workdir, previous={})
-    assert not first["reused"] and demo.finished_step(workdir) == 3
+    assert not first["reused"] and checkpoint.latest_step(workdir) == 3
     assert 0.0 <= first["metrics"]["eval/accuracy"] <= 1.0
     checkpoint_files = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
     metrics_before = open(os.path.join(workdir, "metrics.jsonl")).read()

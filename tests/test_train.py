@@ -21,7 +21,8 @@ from conftest import assert_close
 from test_data import ROOT, load_config
 
 from attnjax import checkpoint, data, vit
-from attnjax.tasks import classification, get_task, optim
+from attnjax.convert.google_npz import save_google_npz
+from attnjax.tasks import classification, get_task, optim, report
 from attnjax.tasks.loop import train_and_evaluate
 
 
@@ -76,7 +77,7 @@ def test_run_writes_metrics_plots_events_and_checkpoints(short_run):
 
 def test_predict_reproduces_eval_metrics(short_run, digits_dir):
     config, workdir, result = short_run
-    loaded_config, predict = checkpoint.make_predict(workdir)
+    loaded_config, predict = classification.make_predict(workdir)
     assert loaded_config.model.width == 16
     test = data.load_source("digits", "test", digits_dir)
     images = np.stack([test[i]["image"] for i in range(len(test))])
@@ -256,7 +257,7 @@ def test_gradient_accumulation_equals_one_big_batch(digits_dir):
 def test_label_smoothing_cross_entropy_reference():
     logits = np.array([[2.0, -1.0, 0.5], [0.0, 0.0, 3.0]], np.float32)
     labels = np.array([0, 1])
-    got = optim.cross_entropy(jnp.asarray(logits), jnp.asarray(labels), 0.2)
+    got = classification.label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(labels), 0.2)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     target = np.full((2, 3), 0.2 / 3)
     target[[0, 1], labels] += 0.8
@@ -310,6 +311,51 @@ def test_init_from_loads_weights_resizes_positions_and_keeps_a_fresh_head(tmp_pa
     with pytest.raises(ValueError, match="lacks .* parameter"):
         classification.create_train_state(
             jax.random.PRNGKey(1), config, model, {"image": np.zeros((2, 16, 16, 1), np.float32)})
+
+
+def test_init_from_a_big_vision_npz_with_a_class_token_into_a_default_vit(tmp_path):
+    """big_vision's position table covers the patches only; the default ViT's covers the class
+    token too. The table's prefix count is the checkpoint's, and the missing class-token row is
+    zero, so the loaded model computes what the checkpoint's model does."""
+    source = vit.create_vit(num_classes=3, image_size=8, patch_size=4, width=8, depth=1,
+                            num_heads=2, mlp_dim=16, in_channels=1, no_embed_class=True)
+    variables = source.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))
+    variables = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.PRNGKey(3), x.shape),
+                             variables)  # a non-zero class token and position table
+    path = save_google_npz(tmp_path / "big_vision.npz", source, variables,
+                                         layout="big_vision")
+    config = load_config("vit_digits")
+    config.model.update(num_classes=3, image_size=8, patch_size=4, width=8, depth=1, num_heads=2,
+                        mlp_dim=16)
+    config.init_from = str(path)
+    model = classification.create_model(config)
+    assert model.class_token and not model.no_embed_class
+    images = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 1))
+    state = classification.create_train_state(jax.random.PRNGKey(2), config, model,
+                                              {"image": np.asarray(images)})
+    params = dict(state.params, head=variables["params"]["head"])
+    assert_close(model.apply({"params": params}, images), source.apply(variables, images),
+                 rtol=1e-5, atol=1e-6, what="logits after loading the big_vision checkpoint")
+
+    config.model.update(class_token=False, pool="gap", fc_norm=False)
+    np.savez(tmp_path / "flat.npz", **{k: np.asarray(v) for k, v in flat(
+        dict(params, pos_embed={"pos_embedding": np.zeros((1, 5, 8), np.float32)})).items()})
+    config.init_from = str(tmp_path / "flat.npz")
+    with pytest.raises(ValueError, match=r"covers 1 prefix token\(s\) .* the model's covers 0"):
+        classification.create_train_state(jax.random.PRNGKey(2), config,
+                                          classification.create_model(config),
+                                          {"image": np.asarray(images)})
+
+
+def test_read_metrics_keeps_the_last_record_of_each_step_and_kind(tmp_path):
+    records = [{"step": 2, "train/loss": 3.0}, {"step": 4, "train/loss": 2.0},
+               {"step": 4, "eval/accuracy": 0.5},
+               # resumed from the step-2 checkpoint: steps 4 logged again
+               {"step": 4, "train/loss": 1.5, "steps_per_sec": 9.0},
+               {"step": 4, "eval/accuracy": 0.6}, {"step": 6, "train/loss": 1.0}]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert report.read_metrics(str(tmp_path)) == [records[0], records[3], records[4], records[5]]
 
 
 def test_unknown_model_name():

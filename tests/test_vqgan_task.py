@@ -1,4 +1,5 @@
 """attnjax/tasks/vqgan.py through the shared training loop: a short real run on the digits."""
+import contextlib
 import json
 import os
 
@@ -6,16 +7,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import torchvision
+import chex
 from absl import logging
 
 from conftest import assert_close
 from test_data import load_config
 
-from attnjax import checkpoint, data
+from attnjax import checkpoint, data, lpips
 from attnjax.tasks import vqgan as vqgan_task
 from attnjax.tasks.loop import train_and_evaluate
+
+
+_compile_log: list | None = None
+
+
+def _on_event_duration(event: str, duration: float, **kwargs) -> None:
+    if _compile_log is not None and event == "/jax/core/compile/backend_compile_duration":
+        _compile_log.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Yields the list of XLA compilations (JAX's own monitoring events) made inside the block."""
+    global _compile_log
+    _compile_log = []
+    try:
+        yield _compile_log
+    finally:
+        _compile_log = None
 
 
 def tiny(data_dir, **overrides):
@@ -60,25 +82,62 @@ def test_short_run_with_gan(digits_dir, tmp_path):
     assert_close(psnr, result["eval/psnr"], rtol=1e-4, what="PSNR of the reloaded autoencoder")
 
 
-def test_lpips_weights_load_from_torchvision_and_lpips_files(tmp_path):
-    """The perceptual term's weights: torchvision's VGG16 file + the lpips package's linear file."""
-    import lpips as lpips_package
-
-    torch.manual_seed(0)
-    vgg = torchvision.models.vgg16()  # random: the file layout is what matters here
-    vgg_path = str(tmp_path / "vgg16.pth")
-    torch.save(vgg.state_dict(), vgg_path)
-    linear = os.path.join(os.path.dirname(lpips_package.__file__), "weights", "v0.1", "vgg.pth")
+def test_lpips_weights_come_from_a_converted_file(tmp_path):
+    """The perceptual term reads the .npz that ``lpips.save_variables`` wrote, array for array."""
+    model = lpips.LPIPS()
+    images = jnp.zeros((1, 16, 16, 3))
+    variables = jax.jit(model.init)(jax.random.PRNGKey(5), images, images)
+    path = lpips.save_variables(variables, tmp_path / "lpips.npz")
     config = load_config("vqgan_digits")
+    config.model.ddconfig.update(ch_mult=(1,), num_res_blocks=1)
     config.loss.perceptual_weight = 1.0
-    config.lpips.update(vgg_path=vgg_path, linear_path=linear)
+    config.lpips.weights = str(path)
+    task_model = vqgan_task.create_model(config)
+    assert task_model["lpips"] is not None and vqgan_task.perceptual_weight(config) == 1.0
+    batch = {"image": np.zeros((2, 16, 16, 1), np.float32)}
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, task_model, batch)
+    chex.assert_trees_all_close(state.lpips_params, variables, rtol=0, atol=0)
+
+
+def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_dir):
+    """eval/g_loss and eval/disc_loss follow config.loss (vanilla loss, disc_factor 0.5), over the
+    real examples only, with the discriminator in eval mode."""
+    config = tiny(digits_dir)
+    config.loss.update(disc_weight=0.8, disc_loss="vanilla", disc_factor=0.5, disc_start=0)
+    config.discriminator.update(ndf=8, n_layers=1)
     model = vqgan_task.create_model(config)
-    assert model["lpips"] is not None and vqgan_task.perceptual_weight(config) == 1.0
-    params = vqgan_task._load_lpips_params(config)["params"]
-    assert_close(params["net"]["features_28"]["kernel"],
-                 vgg.features[28].weight.detach().numpy().transpose(2, 3, 1, 0), what="VGG16 conv5_3")
-    shipped = torch.load(linear, map_location="cpu", weights_only=True)["lin4.model.1.weight"].numpy()
-    assert_close(params["lin4"]["kernel"], shipped.transpose(2, 3, 1, 0), what="LPIPS lin4")
+    batch = next(iter(data.make_datasets(config).eval))
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
+    mask = np.r_[np.ones(40), np.zeros(24)].astype(np.float32)
+    sums = jax.jit(lambda s, b: vqgan_task.eval_step(s, b, config=config, model=model))(
+        state, {**batch, "mask": mask})
+
+    autoencoder_vars = {"params": state.params["autoencoder"], "vq_state": state.quantizer_state}
+    real_images = jnp.asarray(batch["image"][:40])
+    rec, _ = model["autoencoder"].apply(autoencoder_vars, real_images)
+    disc_vars = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
+    real = np.asarray(model["discriminator"].apply(disc_vars, real_images), np.float64)
+    fake = np.asarray(model["discriminator"].apply(disc_vars, rec), np.float64)
+    softplus = lambda v: np.logaddexp(0.0, v)
+    expected_d = 0.5 * 0.5 * (np.mean(softplus(-real)) + np.mean(softplus(fake)))
+    assert float(sums["count"]) == 40
+    assert_close(float(sums["disc_loss"]) / 40, expected_d, rtol=1e-5, what="eval/disc_loss")
+    assert_close(float(sums["g_loss"]) / 40, -np.mean(fake), rtol=1e-5, what="eval/g_loss")
+
+
+def test_image_writing_compiles_once(digits_dir, tmp_path):
+    """A second evaluation's PNGs reuse the compiled decoder: no new XLA compilation."""
+    config = tiny(digits_dir)
+    model = vqgan_task.create_model(config)
+    batch = next(iter(data.make_datasets(config).eval))
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
+    write = lambda s, step: vqgan_task.write_images(s, batch, config=config, model=model,
+                                                    workdir=str(tmp_path), step=step)
+    write(state, 1)
+    changed = state.replace(params=jax.tree.map(lambda x: x * 1.01, state.params))
+    with count_compilations() as compiled:
+        write(changed, 2)
+    assert compiled == [], f"the second write_images compiled again: {compiled}"
 
 
 def test_perceptual_weight_without_weights_is_zero_and_logged(monkeypatch):

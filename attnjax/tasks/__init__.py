@@ -40,7 +40,8 @@ Optional::
         Defaults to ``attnjax.data.make_datasets`` (TFDS ``data_source`` + grain). A task whose
         data is derived (e.g. VQGAN code indices, cached on disk) builds its own grain pipeline
         and returns the same ``Datasets`` (an infinite, batched train ``grain.MapDataset``
-        whose iterator state is checkpointed, and a finite padded eval ``MapDataset``).
+        whose iterator state is checkpointed, and a finite padded eval ``MapDataset`` from
+        ``attnjax.data.padded_eval_dataset``).
 
     write_images(state, batch, *, config, model, workdir, step) -> None
         Called after each evaluation with the first eval batch (host numpy); writes PNGs under

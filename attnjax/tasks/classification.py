@@ -10,15 +10,17 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
-from attnjax import vit
+from attnjax import checkpoint, positional, vit
 from attnjax.tasks import optim
 
 MODELS = {"vit": vit.create_vit}
@@ -37,18 +39,51 @@ def create_model(config) -> nn.Module:
     return MODELS[name](variant, **kwargs)
 
 
+def label_smoothed_cross_entropy(logits, labels, label_smoothing: float = 0.0):
+    """Per-example softmax cross-entropy against one-hot labels smoothed by ``label_smoothing``.
+
+    logits ``[batch, num_classes]``, labels int ``[batch]`` -> ``[batch]`` (float32).
+    """
+    num_classes = logits.shape[-1]
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
+    return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
+
+
 def _read_params_npz(path: str, model) -> dict:
     """Flat ``{"a/b/kernel": array}`` of attnjax ViT params from either ``.npz`` layout."""
     with np.load(path) as npz:
         flat = dict(npz)
     if any(k == "embedding/kernel" or k.endswith("/embedding/kernel") for k in flat):
-        # A Google (big_vision / original ViT) checkpoint: convert its names first. The
-        # converter is numpy-only for .npz files (torch_interop imports torch lazily).
-        from attnjax import torch_interop
+        # A Google (big_vision / original ViT) checkpoint: convert its names first, with the
+        # numpy-only reader (imported here: most runs never read one).
+        from attnjax.convert import google_npz
 
-        _, variables = torch_interop.load_google_npz(path, scan_layers=model.scan_layers)
+        _, variables = google_npz.load_google_npz(path, scan_layers=model.scan_layers)
         return flax.traverse_util.flatten_dict(variables["params"], sep="/")
     return {k.removeprefix("params/"): v for k, v in flat.items()}
+
+
+def _adapt_position_table(old: np.ndarray, new_shape: tuple, new_prefix: int, path: str) -> np.ndarray:
+    """A checkpoint's learned position table ``[1, tokens, width]`` fitted to the model's.
+
+    The checkpoint's own prefix-token count is what its table holds beyond a square grid (a
+    big_vision table covers only the patches, an original-ViT table the class token too). The
+    grid is resampled when its size differs. A class-token row the checkpoint lacks is added as
+    zeros: the class token then enters the encoder exactly as it did in the checkpoint.
+    """
+    tokens = old.shape[1]
+    old_prefix = tokens - math.isqrt(tokens) ** 2
+    if old_prefix > new_prefix:
+        raise ValueError(
+            f"config.init_from={path!r}: its position table covers {old_prefix} prefix token(s) "
+            f"({tokens} = {old_prefix} + {math.isqrt(tokens)}^2), the model's covers {new_prefix}; "
+            "build the model with the checkpoint's class_token/no_embed_class settings.")
+    grid = math.isqrt(new_shape[1] - new_prefix)
+    if tokens - old_prefix != grid * grid:
+        old = np.asarray(positional.resize_position_embedding(
+            old, (grid, grid), num_prefix_tokens=old_prefix))
+    zeros = np.zeros((1, new_prefix - old_prefix, old.shape[2]), old.dtype)
+    return np.concatenate([old[:, :old_prefix], zeros, old[:, old_prefix:]], axis=1)
 
 
 def load_pretrained(config, model, params):
@@ -57,16 +92,14 @@ def load_pretrained(config, model, params):
     ``init_from`` is an ``.npz`` either of attnjax params flattened with "/"-joined keys
     (``pos_embed/pos_embedding``, ``blocks_0/attn/query/kernel``, ...; what
     ``np.savez(path, **flax.traverse_util.flatten_dict(params, sep="/"))`` writes, e.g. after a
-    timm conversion in ``attnjax.torch_interop``), or a Google ViT checkpoint. The head stays
-    freshly initialised (new classes); a position table of another grid size is resized with
-    ``attnjax.positional.resize_position_embedding``. Any other missing or mismatched
+    timm conversion in ``attnjax.convert.timm``), or a Google ViT checkpoint. The head stays
+    freshly initialised (new classes); a position table of another grid size or prefix-token
+    count is fitted by ``_adapt_position_table``. Any other missing or mismatched
     parameter is an error (a silent partial load would train from scratch unnoticed).
     """
     path = config.get("init_from", "")
     if not path:
         return params
-    from attnjax import positional
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"config.init_from={path!r} does not exist.")
     flat_old = _read_params_npz(path, model)
@@ -80,10 +113,8 @@ def load_pretrained(config, model, params):
             continue
         old = np.asarray(flat_old[key])
         if old.shape != value.shape and key.endswith("pos_embedding"):
-            prefix = int(model.class_token and not model.no_embed_class)
-            grid = math.isqrt(value.shape[1] - prefix)
-            old = np.asarray(positional.resize_position_embedding(
-                old, (grid, grid), num_prefix_tokens=prefix))
+            old = _adapt_position_table(old, value.shape,
+                                        int(model.class_token and not model.no_embed_class), path)
         if old.shape != value.shape:
             raise ValueError(f"config.init_from: {key} has shape {old.shape}, the model "
                              f"expects {value.shape}.")
@@ -109,7 +140,7 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     def loss_fn(params):
         logits = model.apply({"params": params}, batch["image"], train=True,
                              rngs={"dropout": rng})
-        loss = optim.cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
+        loss = label_smoothed_cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
         return loss.mean(), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -121,7 +152,7 @@ def eval_step(state: TrainState, batch, *, config, model):
     params = state.params if state.ema_params is None else state.ema_params
     logits = model.apply({"params": params}, batch["image"], train=False)
     mask = batch["mask"]
-    loss = optim.cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
+    loss = label_smoothed_cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
     correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
     return {"loss": jnp.sum(loss * mask), "accuracy": jnp.sum(correct * mask),
             "count": jnp.sum(mask)}
@@ -162,3 +193,21 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.88, hspace=0.35)
     fig.savefig(os.path.join(workdir, "eval_images.png"), dpi=100)
     plt.close(fig)
+
+
+def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:
+    """``(config, predict)`` for a classification run: ``predict(images) -> logits``.
+
+    ``images``: float ``[batch, H, W, C]`` normalised like the run's eval data
+    (``attnjax.data``); ``logits``: ``[batch, num_classes]``. ``predict`` is jit-compiled with
+    the parameters closed over (one compilation per input shape). ``load_kwargs`` go to
+    ``attnjax.checkpoint.load`` (``step``, ``best``, ``use_ema``).
+    """
+    config, model_variables = checkpoint.load(workdir, variables=True, **load_kwargs)
+    model = create_model(config)
+
+    @jax.jit
+    def predict(images):
+        return model.apply(model_variables, images, train=False)
+
+    return config, predict

@@ -35,12 +35,12 @@ def _check_loop_fields(config) -> None:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
 
 
-def evaluate(task, dp, p_eval, state, datasets, *, config, model, workdir, step) -> dict:
+def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, workdir, step) -> dict:
     """Runs the eval set once -> ``{"eval/<name>": sum / count}``; writes the task's images."""
     totals, first = None, None
     for batch in data.make_iterator(datasets.eval, config.get("data")):
         first = batch if first is None else first
-        sums = p_eval(state, dp.shard_batch(batch))
+        sums = compiled_eval_step(state, dp.shard_batch(batch))
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
     totals = dp.fetch(totals)
     count = float(totals.pop("count"))
@@ -76,7 +76,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     ckpt = checkpoint.Checkpointer(workdir, config)
     train_iter = data.make_iterator(datasets.train, config.get("data"))
-    start = ckpt.latest_step()
+    start = checkpoint.latest_step(workdir)
     if start is not None:
         state, data_state = ckpt.restore(state)
         train_iter.set_state(data_state)
@@ -90,8 +90,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
                  jax.device_count(), dp.mode, config.batch_size)
 
     state = dp.replicate(state)
-    p_train = dp.compile_train_step(functools.partial(task.train_step, config=config, model=model))
-    p_eval = dp.compile_eval_step(functools.partial(task.eval_step, config=config, model=model))
+    compiled_train_step = dp.compile_train_step(
+        functools.partial(task.train_step, config=config, model=model))
+    compiled_eval_step = dp.compile_eval_step(
+        functools.partial(task.eval_step, config=config, model=model))
     batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
     writer = report.MetricWriter(workdir, enabled=is_main)
 
@@ -104,7 +106,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     try:
         for step in range(start + 1, num_steps + 1):
             batch, data_state = next(batches)
-            state, metrics = p_train(state, batch, jax.random.fold_in(train_rng, step - 1))
+            state, metrics = compiled_train_step(state, batch, jax.random.fold_in(train_rng, step - 1))
             pending.append(metrics)
             bar.update(1)
             if step % config.log_every == 0 or step == num_steps:
@@ -123,7 +125,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 bar.set_postfix({shown: f"{logged[shown]:.4f}"}, refresh=False)
                 pending = []
             if step % config.eval_every == 0 or step == num_steps:
-                eval_metrics = evaluate(task, dp, p_eval, state, datasets, config=config,
+                eval_metrics = evaluate(task, dp, compiled_eval_step, state, datasets, config=config,
                                         model=model, workdir=workdir, step=step)
                 writer.write(step, eval_metrics)
                 result.update(eval_metrics)
@@ -134,7 +136,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             result["step"] = step
             tick = time.perf_counter() if step % config.log_every == 0 else tick
         if start >= num_steps:  # already finished: report the final evaluation again
-            result.update(evaluate(task, dp, p_eval, state, datasets, config=config, model=model,
+            result.update(evaluate(task, dp, compiled_eval_step, state, datasets, config=config, model=model,
                                    workdir=workdir, step=start))
         if hasattr(task, "finalize"):
             result.update(task.finalize(dp.unreplicate(state), result, config=config,

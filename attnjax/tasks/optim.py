@@ -19,7 +19,6 @@ from typing import Any
 
 import flax
 import jax
-import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -117,9 +116,3 @@ def ema_update(ema_params, params, decay: float):
     return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p.astype(e.dtype),
                         ema_params, params)
 
-
-def cross_entropy(logits, labels, label_smoothing: float = 0.0):
-    """Per-example softmax cross-entropy with label smoothing. logits ``[b, k]``, labels ``[b]``."""
-    num_classes = logits.shape[-1]
-    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
-    return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 from typing import Any, NamedTuple
 
@@ -41,7 +40,11 @@ from absl import logging
 from tqdm import tqdm
 
 from attnjax import checkpoint, data, prior
+from attnjax.images import save_image_grid
+from attnjax.prior import null_tokens, prefix_tokens
+from attnjax.sampling import sample
 from attnjax.tasks import optim
+from attnjax.tasks import vqgan as vqgan_task
 
 
 TrainState = optim.TrainState
@@ -66,8 +69,6 @@ class TrainedVQGAN(NamedTuple):
 @functools.lru_cache(maxsize=4)
 def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
     """The VQGAN trained in ``workdir`` (cached per process: the prior's steps reuse it)."""
-    from attnjax import tasks
-
     if not workdir or not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise FileNotFoundError(
             f"config.vqgan_workdir={workdir!r} holds no checkpoints: train the VQGAN first "
@@ -78,17 +79,12 @@ def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
         raise ValueError(
             f"config.vqgan_workdir={workdir!r} holds a {vq_config.task!r} run, expected a 'vqgan' run"
         )
-    model, variables = tasks.get_task("vqgan").inference_model(vq_config, loaded)
-    step = _latest_step(workdir) if step is None else step
+    model, variables = vqgan_task.inference_model(vq_config, loaded)
+    step = checkpoint.latest_step(workdir) if step is None else step
     size = vq_config.data.image_size or model.resolution  # image_size 0: the native size
     image = jax.ShapeDtypeStruct((1, size, size, model.in_channels), jnp.float32)
     grid = jax.eval_shape(lambda x: _encode_indices(model, variables, x), image).shape[1:]
     return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(grid))
-
-
-def _latest_step(workdir: str) -> int:
-    directory = os.path.join(workdir, "checkpoints")
-    return max(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def _params_digest(tree) -> str:
@@ -219,18 +215,10 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
                          "code sequences on this process.")
     train = train.seed(config.seed).shuffle().repeat(None).batch(batch, drop_remainder=True)
 
-    shard = _Records(eval_codes[process_index::process_count], eval_labels[process_index::process_count])
-    num_batches = math.ceil(math.ceil(len(eval_codes) / process_count) / eval_batch)
-    blank = {"codes": np.zeros_like(eval_codes[0]), "label": np.int32(0)}
-
-    def eval_example(i):
-        if i < len(shard):
-            return {**shard[i], "mask": np.float32(1.0)}
-        return {**blank, "mask": np.float32(0.0)}
-
-    evaluation = grain.MapDataset.range(num_batches * eval_batch).map(eval_example)
-    return data.Datasets(train=train, eval=evaluation.batch(eval_batch),
-                         num_train_examples=len(train_codes), num_eval_examples=len(eval_codes))
+    evaluation = data.padded_eval_dataset(_Records(eval_codes, eval_labels), eval_batch,
+                                          process_index=process_index, process_count=process_count)
+    return data.Datasets(train=train, eval=evaluation, num_train_examples=len(train_codes),
+                         num_eval_examples=len(eval_codes))
 
 
 def _check_labels(config, *label_arrays):
@@ -297,11 +285,47 @@ def _eval_params(state: TrainState):
 def eval_step(state: TrainState, batch, *, config, model):
     codes, mask = batch["codes"], batch["mask"]
     logits = prior.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.mean(jnp.take_along_axis(log_probs, codes[..., None], axis=-1)[..., 0], axis=-1)
+    nll = jax.vmap(lambda l, c: prior.cross_entropy(l[None], c[None]))(logits, codes)
     correct = jnp.mean((jnp.argmax(logits, -1) == codes).astype(jnp.float32), axis=-1)
     return {"nll": jnp.sum(nll * mask), "bits_per_token": jnp.sum(prior.bits_per_token(nll) * mask),
             "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+
+
+def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
+                  codebook_size: int, num_classes: int, num_samples: int | None = None,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  guidance: float | None = None, mean=0.5, std=0.5, path: str | None = None,
+                  nrow: int | None = None, scale: int = 1):
+    """Sample code grids and decode them with the VQGAN: ``(codes [b, h, w], images [b, H, W, C])``.
+
+    Args:
+      model, params: the prior.
+      vqgan, vqgan_variables: a ``VQGAN`` module (``decode_indices([b, h, w]) -> [b, H, W, C]``)
+        and its variables; its decoding is compiled once per module, not at every call.
+      labels: ``[b]`` class ids for a class-conditional prior; None for an unconditional one
+        (then ``num_samples`` gives the batch).
+      rng: PRNG key of the sampler.
+      grid_shape: the token grid ``(h, w)``; ``h * w`` tokens are sampled in raster order.
+      codebook_size, num_classes: the prior's vocabulary (see ``attnjax.prior.prefix_tokens``).
+      temperature, top_k, top_p, guidance: the sampler's (guidance needs a prior trained with
+        a null class; see ``attnjax.prior.vocab_size``).
+      mean, std: the VQGAN's pixel normalisation; images are returned as ``x * std + mean``
+        (in [0, 1] for a well trained model).
+      path: if given, the images are saved there as a PNG grid of ``nrow`` columns.
+    """
+    height, width = grid_shape
+    batch = num_samples if labels is None else len(labels)
+    prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
+    null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
+    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
+                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
+                   null_prefix=null_prefix)
+    codes = codes.reshape(batch, height, width)
+    decoded = vqgan_task.compiled_method(vqgan, "decode_indices")(vqgan_variables, codes)
+    images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
+    if path is not None:
+        save_image_grid(images, path, nrow or batch, scale)
+    return codes, images
 
 
 def sample_grid(state_or_params, config, model, rng, path: str | None = None,
@@ -317,7 +341,7 @@ def sample_grid(state_or_params, config, model, rng, path: str | None = None,
     per_class = per_class or sampling.per_class
     classes = max(config.num_classes, 1)
     labels = np.repeat(np.arange(classes, dtype=np.int32), per_class) if config.num_classes else None
-    _, images = prior.sample_images(
+    _, images = sample_images(
         model, params, vqgan.model, vqgan.variables, labels, rng,
         grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
         num_classes=config.num_classes, num_samples=classes * per_class,

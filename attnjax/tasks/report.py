@@ -36,12 +36,22 @@ class MetricWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """The events of ``workdir/metrics.jsonl`` (a resumed run's repeated steps keep the last)."""
+    """The events of ``workdir/metrics.jsonl`` in step order, one per step and kind.
+
+    A run resumed from a checkpoint repeats the steps after that checkpoint; for each step the
+    last record of each kind (``train/*`` log, ``eval/*`` results) is kept.
+    """
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
+    latest: dict = {}
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                kind = tuple(sorted({key.split("/")[0] for key in record if "/" in key}))
+                latest[(record["step"], kind)] = record
+    return sorted(latest.values(), key=lambda record: record["step"])
 
 
 def format_table(step: int, metrics: dict) -> str:

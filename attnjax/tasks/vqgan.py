@@ -3,9 +3,10 @@
 Batches: ``{"image": float32 [batch, H, W, C], "label": ...}`` normalised with
 ``config.data.mean/std`` (``0.5/0.5`` gives taming's [-1, 1]); eval batches add ``"mask"``.
 
-Train state: ``params = {"autoencoder", "discriminator", "vq_state"}``: ``vq_state`` is the
-quantizer's non-trained state (EMA codebook, per-code usage), kept with the params so that
-``checkpoint.load`` returns everything inference needs (``inference_model``). Each step:
+Train state: ``params = {"autoencoder", "discriminator"}`` and ``quantizer_state``, the
+quantizer's non-trained state (its ``vq_state`` collection: EMA codebook, per-code usage), which
+``checkpoint.load(..., variables=True)`` returns with the params (see ``inference_model``).
+Each step:
 
 1. autoencoder update: ``vqgan_loss.generator_loss`` (L1 + LPIPS, codebook loss, and the
    adversarial term with taming's adaptive weight, times ``disc_factor`` = 0 before
@@ -20,17 +21,21 @@ Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, `
 ``usage_decay``; 0 switches a numeric option off), ``reseed_threshold``, ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
 ``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
-``n_layers``, ``norm``), ``lpips`` (``vgg_path``, ``linear_path``: without them the perceptual
-weight is 0, and the log says so), ``disc_learning_rate`` and the ``attnjax.tasks.optim``
+``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
+``attnjax.lpips.load_variables``; "" turns the perceptual term off, and the log says so; torch is
+never needed here), ``disc_learning_rate`` and the ``attnjax.tasks.optim``
 fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
 
 Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
 averaged), ``perplexity`` and ``codebook_usage`` (fraction of codes used, per eval batch
 weighted by its examples: an eval batch holding the whole split gives the split's usage),
-``g_loss``/``disc_loss`` (discriminator in eval mode) when there is one.
+``g_loss``/``disc_loss`` when there is a discriminator: the training step's loss functions and
+settings (``disc_loss``, ``disc_factor`` and ``disc_start`` at the state's step) with the
+discriminator in eval mode, per image, averaged.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -41,15 +46,17 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax import vqgan, vqgan_loss
+from attnjax import lpips, vqgan, vqgan_loss
+from attnjax.images import save_image_grid
 from attnjax.tasks import optim
 
 
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any  # {"autoencoder", "discriminator" (or None), "vq_state"}
+    params: Any  # {"autoencoder", "discriminator" (or None)}
     opt_state: Any
+    quantizer_state: Any = None  # the autoencoder's "vq_state" collection
     disc_opt_state: Any = None
     batch_stats: Any = None  # the discriminator's BatchNorm statistics
     lpips_params: Any = None  # constants, present only with a perceptual term
@@ -58,7 +65,7 @@ class TrainState:
 def perceptual_weight(config) -> float:
     """The perceptual weight in effect: 0 without LPIPS weights."""
     weight = float(config.loss.get("perceptual_weight", 0.0))
-    return weight if weight > 0 and config.get("lpips", {}).get("vgg_path") else 0.0
+    return weight if weight > 0 and config.get("lpips", {}).get("weights") else 0.0
 
 
 def _quantizer_options(config) -> dict:
@@ -79,12 +86,10 @@ def create_model(config) -> dict:
         discriminator = vqgan.NLayerDiscriminator(**config.discriminator.to_dict())
     lpips_model = None
     if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
-        logging.warning("config.loss.perceptual_weight=%g but config.lpips.vgg_path is empty: "
+        logging.warning("config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
                         "training WITHOUT the perceptual (LPIPS) term, i.e. perceptual weight 0.",
                         config.loss.perceptual_weight)
     elif perceptual_weight(config):
-        from attnjax import lpips
-
         lpips_model = lpips.LPIPS()
     return {"autoencoder": autoencoder, "discriminator": discriminator, "lpips": lpips_model}
 
@@ -96,8 +101,12 @@ def create_autoencoder(config) -> vqgan.VQGAN:
 
 def inference_model(config, variables):
     """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=True)``."""
-    params = variables["params"]
-    return create_autoencoder(config), {"params": params["autoencoder"], "vq_state": params.get("vq_state") or {}}
+    return create_autoencoder(config), _autoencoder_variables(variables["params"],
+                                                              variables.get("quantizer_state"))
+
+
+def _autoencoder_variables(params, quantizer_state) -> dict:
+    return {"params": params["autoencoder"], "vq_state": quantizer_state or {}}
 
 
 def _optimizers(config):
@@ -106,21 +115,11 @@ def _optimizers(config):
     return autoencoder, disc
 
 
-def _load_lpips_params(config):
-    from attnjax import torch_interop
-
-    _, variables = torch_interop.lpips_from_torch(config.lpips.vgg_path, config.lpips.get("linear_path") or None)
-    logging.info("LPIPS weights: VGG16 from %s, linear layers from %s", config.lpips.vgg_path,
-                 config.lpips.get("linear_path") or config.lpips.vgg_path)
-    return jax.tree.map(jnp.asarray, variables)
-
-
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     images = jnp.asarray(example_batch["image"])
     ae_rng, disc_rng = jax.random.split(rng)
     variables = jax.jit(lambda r: model["autoencoder"].init(r, images[:1]))(ae_rng)
-    params = {"autoencoder": variables["params"], "vq_state": variables.get("vq_state", {}),
-              "discriminator": None}
+    params = {"autoencoder": variables["params"], "discriminator": None}
     tx, disc_tx = _optimizers(config)
     disc_opt_state = batch_stats = lpips_params = None
     if model["discriminator"] is not None:
@@ -130,8 +129,10 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         batch_stats = disc_vars.get("batch_stats", {})
         disc_opt_state = disc_tx.init(params["discriminator"])
     if model["lpips"] is not None:
-        lpips_params = _load_lpips_params(config)
+        lpips_params = lpips.load_variables(config.lpips.weights)
+        logging.info("LPIPS weights from %s", config.lpips.weights)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      quantizer_state=variables.get("vq_state", {}),
                       opt_state=tx.init(params["autoencoder"]), disc_opt_state=disc_opt_state,
                       batch_stats=batch_stats, lpips_params=lpips_params)
 
@@ -158,7 +159,7 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
         return disc.apply(variables, images, train=True, mutable=["batch_stats"])[0]
 
     def loss_fn(ae_params):
-        variables = {"params": ae_params, "vq_state": state.params["vq_state"]}
+        variables = {"params": ae_params, "vq_state": state.quantizer_state}
         (rec, aux), updated = autoencoder.apply(variables, x, train=True, mutable=["vq_state", "intermediates"],
                                                 rngs={"dropout": rng})
         features = updated["intermediates"]["decoder"]["pre_conv_out"][0]
@@ -178,8 +179,7 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
         grads, metrics, vq_state = jax.lax.pmean((grads, metrics, vq_state), axis_name)
         latents = jax.lax.all_gather(latents, axis_name, tiled=True)
     updates, opt_state = tx.update(grads, state.opt_state, state.params["autoencoder"])
-    params = dict(state.params, autoencoder=optax.apply_updates(state.params["autoencoder"], updates),
-                  vq_state=vq_state)
+    params = dict(state.params, autoencoder=optax.apply_updates(state.params["autoencoder"], updates))
     metrics["grad_norm"] = optax.global_norm(grads)
     metrics["learning_rate"] = optim.learning_rate_at(config, step)
 
@@ -193,24 +193,28 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
         # The same key on every device: the reseeded codebook must stay replicated.
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1), step)
         autoencoder_params, vq_state, reseeded = vqgan.reseed_dead_codes(
-            params["autoencoder"], params["vq_state"], latents, key, config.reseed_threshold)
-        params = dict(params, autoencoder=autoencoder_params, vq_state=vq_state)
+            params["autoencoder"], vq_state, latents, key, config.reseed_threshold)
+        params = dict(params, autoencoder=autoencoder_params)
         metrics["reseeded_codes"] = reseeded.astype(jnp.float32)
-    return state.replace(step=step + 1, params=params, opt_state=opt_state, disc_opt_state=disc_opt_state,
-                         batch_stats=batch_stats), metrics
+    return state.replace(step=step + 1, params=params, quantizer_state=vq_state, opt_state=opt_state,
+                         disc_opt_state=disc_opt_state, batch_stats=batch_stats), metrics
+
+
+def _discriminator_loss(logits_real, logits_fake, step, loss_config):
+    """``vqgan_loss.discriminator_loss`` with the config's settings (training and eval share it)."""
+    return vqgan_loss.discriminator_loss(
+        logits_real, logits_fake, step=step, disc_start=int(loss_config.get("disc_start", 0)),
+        disc_factor=loss_config.get("disc_factor", 1.0), kind=loss_config.get("disc_loss", "hinge"))
 
 
 def _discriminator_update(state, params, x, rec, disc, disc_tx, loss_config, axis_name):
-    disc_start = int(loss_config.get("disc_start", 0))
 
     def d_loss_fn(d_params):
         # Real and fake in separate calls, as taming: each gets its own batch statistics.
         real, updated = disc.apply({"params": d_params, "batch_stats": state.batch_stats}, x, train=True,
                                    mutable=["batch_stats"])
         fake, updated = disc.apply({"params": d_params, **updated}, rec, train=True, mutable=["batch_stats"])
-        loss, log = vqgan_loss.discriminator_loss(real, fake, step=state.step, disc_start=disc_start,
-                                                  disc_factor=loss_config.get("disc_factor", 1.0),
-                                                  kind=loss_config.get("disc_loss", "hinge"))
+        loss, log = _discriminator_loss(real, fake, state.step, loss_config)
         return loss, (log, updated["batch_stats"])
 
     # Before disc_start the loss is 0 x the d-loss: zero gradients, and Adam's update of zero
@@ -229,71 +233,67 @@ def _to_unit_range(images, data_config):
 def eval_step(state: TrainState, batch, *, config, model):
     autoencoder, disc = model["autoencoder"], model["discriminator"]
     x, mask = batch["image"], batch["mask"]
-    variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
-    rec, aux = autoencoder.apply(variables, x)
+    rec, aux = autoencoder.apply(_autoencoder_variables(state.params, state.quantizer_state), x)
     per_image = lambda v: jnp.mean(v, axis=tuple(range(1, v.ndim)))
     l1 = per_image(jnp.abs(x - rec))
     mse = per_image((_to_unit_range(x, config.data) - jnp.clip(_to_unit_range(rec, config.data), 0.0, 1.0)) ** 2)
     psnr = -10.0 * jnp.log10(jnp.maximum(mse, 1e-10))
     count = jnp.sum(mask)
-    flat = aux["indices"].reshape(x.shape[0], -1)
-    counts = jnp.sum(jax.nn.one_hot(flat, autoencoder.n_embed) * mask[:, None, None], axis=(0, 1))
-    probs = counts / jnp.maximum(counts.sum(), 1.0)
+    indices = aux["indices"]
+    codebook = vqgan.codebook_statistics(indices, autoencoder.n_embed, mask)
     sums = {"l1": jnp.sum(l1 * mask), "psnr": jnp.sum(psnr * mask), "count": count,
-            "perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))) * count,
-            "codebook_usage": jnp.mean(counts > 0) * count}
+            "perplexity": codebook["perplexity"] * count, "codebook_usage": codebook["codebook_usage"] * count}
     if disc is not None:
         disc_vars = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
-        real, fake = per_image(disc.apply(disc_vars, x)), per_image(disc.apply(disc_vars, rec))
-        sums["g_loss"] = jnp.sum(-fake * mask)
-        sums["disc_loss"] = jnp.sum(0.5 * (jax.nn.relu(1.0 - real) + jax.nn.relu(1.0 + fake)) * mask)
+        real, fake = disc.apply(disc_vars, x), disc.apply(disc_vars, rec)
+        # One image at a time through the training losses: their batch means are means over
+        # images too, so sum / count over the real examples is the loss of the whole eval set.
+        one = lambda a: a[None]
+        g_loss = jax.vmap(lambda f: vqgan_loss.adversarial_generator_loss(one(f)))(fake)
+        d_loss = jax.vmap(lambda r, f: _discriminator_loss(one(r), one(f), state.step, config.loss)[0])(real, fake)
+        sums["g_loss"] = jnp.sum(g_loss * mask)
+        sums["disc_loss"] = jnp.sum(d_loss * mask)
     return sums
 
 
-def _tile(images, columns: int) -> np.ndarray:
-    """``[n, h, w, c]`` in [0, 1] -> one uint8 grid image (padded with white to full rows)."""
-    n, h, w, c = images.shape
-    rows = -(-n // columns)
-    grid = np.ones((rows * (h + 1) + 1, columns * (w + 1) + 1, c), np.float32)
-    for i, image in enumerate(images):
-        r, col = divmod(i, columns)
-        grid[1 + r * (h + 1):1 + r * (h + 1) + h, 1 + col * (w + 1):1 + col * (w + 1) + w] = image
-    grid = (np.clip(grid, 0.0, 1.0) * 255).round().astype(np.uint8)
-    return grid[..., 0] if c == 1 else grid
+_COMPILED: dict = {}
 
 
-def _save_png(array: np.ndarray, path: str, scale: int) -> None:
-    from PIL import Image
-
-    image = Image.fromarray(array)
-    image.resize((image.width * scale, image.height * scale), Image.NEAREST).save(path)
+def compiled_method(model: vqgan.VQGAN, method_name: str):
+    """``jit(partial(model.apply, method=...))``, built once per module and method so that an
+    evaluation reuses the compiled function. Modules holding config dicts are not hashable:
+    they are keyed by identity, and kept here so that the identity is never reused."""
+    key = (id(model), method_name)
+    if key not in _COMPILED:
+        _COMPILED[key] = (model, jax.jit(functools.partial(model.apply, method=getattr(type(model), method_name))))
+    return _COMPILED[key][1]
 
 
 def write_images(state: TrainState, batch, *, config, model, workdir, step):
     """``reconstructions.png``: rows of 16 inputs, each followed by its row of reconstructions."""
     n = min(32, int(np.sum(batch["mask"])))
     x = jnp.asarray(batch["image"][:n])
-    variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
-    rec, _ = jax.jit(model["autoencoder"].apply)(variables, x)
+    variables = _autoencoder_variables(state.params, state.quantizer_state)
+    rec, _ = compiled_method(model["autoencoder"], "__call__")(variables, x)
     inputs, recs = (np.asarray(_to_unit_range(a, config.data)) for a in (x, rec))
     columns = 16
     pairs = []
     for start in range(0, n, columns):
         pairs += [inputs[start:start + columns], recs[start:start + columns]]
-    _save_png(_tile(np.concatenate(pairs), columns), os.path.join(workdir, "reconstructions.png"), 4)
+    save_image_grid(np.concatenate(pairs), os.path.join(workdir, "reconstructions.png"), columns, scale=4)
 
 
 def decode_every_code(model: vqgan.VQGAN, variables, grid_shape) -> np.ndarray:
     """Each code decoded alone (a token grid filled with it): ``[n_embed, H, W, C]``."""
     indices = jnp.broadcast_to(jnp.arange(model.n_embed)[:, None, None], (model.n_embed, *grid_shape))
-    return np.asarray(jax.jit(lambda v, i: model.apply(v, i, method=type(model).decode_indices))(variables, indices))
+    return np.asarray(compiled_method(model, "decode_indices")(variables, indices))
 
 
 def finalize(state: TrainState, metrics, *, config, model, workdir):
     """``codebook.png``: every code decoded alone, in index order."""
     autoencoder = model["autoencoder"]
     size = config.data.image_size // autoencoder.downsample_factor
-    variables = {"params": state.params["autoencoder"], "vq_state": state.params["vq_state"]}
+    variables = _autoencoder_variables(state.params, state.quantizer_state)
     decoded = np.asarray(_to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data))
-    _save_png(_tile(decoded, 16), os.path.join(workdir, "codebook.png"), 3)
+    save_image_grid(decoded, os.path.join(workdir, "codebook.png"), 16, scale=3)
     return {}
