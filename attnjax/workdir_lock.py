@@ -59,6 +59,9 @@ def _try_create(path: str, owner: dict) -> bool:
 
 def acquire(workdir: str) -> dict:
     """Creates the lock -> the owner record written; raises ``WorkdirLockedError`` if taken."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise NotADirectoryError(f"--workdir {workdir!r} is a file; expected a directory (new "
+                                 f"or of an earlier run).")
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
