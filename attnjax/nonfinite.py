@@ -63,4 +63,5 @@ class NonfiniteWatch:
             if self.in_a_row >= self.limit:
                 raise NonFiniteError(
                     f"{self.in_a_row} steps in a row up to step {step} had a non-finite loss or "
-                    f"gradient norm (config.max_skipped_steps={self.limit}); lower config.learning_rate.")
+                    f"gradient norm (config.max_skipped_steps={self.limit}); lower "
+                    f"config.learning_rate.")

@@ -263,9 +263,10 @@ def test_disk_full_while_saving_keeps_previous_checkpoints(reference, digits_dir
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 1
     message = last_line(run.stderr)
-    assert re.fullmatch(rf"train.py: error: CheckpointWriteError: \[Errno 27\] could not write a "
-                        rf"checkpoint to {workdir}/checkpoints(_best)?: File too large \(errno "
-                        rf"EFBIG\); the checkpoints written before are intact; .*", message), message
+    expected = (rf"train.py: error: CheckpointWriteError: \[Errno 27\] could not write a "
+                rf"checkpoint to {workdir}/checkpoints(_best)?: File too large \(errno EFBIG\); "
+                rf"the checkpoints written before are intact; .*")
+    assert re.fullmatch(expected, message), message
     # The failed write stays in Orbax's temporary directory, which restore never reads.
     after = digest(os.path.join(workdir, "checkpoints"))
     partial = {k for k in after if ".orbax-checkpoint-tmp" in k}
