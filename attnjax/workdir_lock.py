@@ -4,7 +4,8 @@ Two runs writing the same checkpoints and metrics would interleave them silently
 second is refused with one line naming the first. A lock left by a run that died without
 cleaning up (``kill -9``, a crashed machine) is taken over, with a warning, when its pid no
 longer lives on this host; a lock held from another host cannot be checked from here and is
-refused, with the path to delete once that run is known to be gone.
+refused, with the path to delete once that run is known to be gone. A lock of this very
+process (an earlier ``train_and_evaluate`` call in it that failed) is taken over too.
 """
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ def acquire(workdir: str) -> dict:
         if other is None:
             continue  # released between our create and read
         host, pid = other.get("host"), other.get("pid")
-        stale = host == owner["host"] and isinstance(pid, int) and not _pid_alive(pid)
+        # This process's own pid: a lock left by an earlier call that failed before releasing.
+        stale = host == owner["host"] and isinstance(pid, int) and (
+            pid == owner["pid"] or not _pid_alive(pid))
         if not stale:
             raise WorkdirLockedError(
                 f"workdir {workdir!r} is in use by another run (host {host}, pid {pid}); wait "

@@ -1,6 +1,7 @@
 """Interrupts one training run again and again, then checks it lost nothing.
 
-    python benchmarks/faults.py [--kills 10] [--sigterms 3] [--steps 300] [--seed 0]
+    python benchmarks/faults.py [--kills 10] [--sigterms 3] [--steps 300] [--seed 0] \
+        [-- --config.model.width=16 ...]   # extra train.py flags, e.g. a smaller model
 
 ``configs/vit_digits.py`` shortened to ``--steps`` steps with a checkpoint every 25: first an
 uninterrupted run, then the same command started again and again in a second workdir, each
@@ -33,14 +34,14 @@ from attnjax import checkpoint, preemption  # noqa: E402
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-def train_command(workdir: str, steps: int, data_dir: str) -> list[str]:
+def train_command(workdir: str, steps: int, data_dir: str, extra: list[str]) -> list[str]:
     command = [sys.executable, "train.py", "--config", "configs/vit_digits.py",
                "--workdir", workdir, f"--config.num_train_steps={steps}",
                "--config.checkpoint_every=25", "--config.log_every=5",
                "--config.eval_every=100"]
     if data_dir:
         command.append(f"--config.data.data_dir={data_dir}")
-    return command
+    return command + extra
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -107,6 +108,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_dir", default="", help="TFDS data dir (default: TFDS's)")
     parser.add_argument("--workdir", default="", help="parent of both runs (default: a tmp dir)")
+    parser.add_argument("train_flags", nargs="*", help="more train.py flags (after --)")
     args = parser.parse_args()
     base = args.workdir or tempfile.mkdtemp(prefix="attnjax_faults_")
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(base, "jax_cache"),
@@ -114,7 +116,7 @@ def main():
     straight, faulted = os.path.join(base, "straight"), os.path.join(base, "faulted")
 
     start = time.perf_counter()
-    subprocess.run(train_command(straight, args.steps, args.data_dir), cwd=ROOT, env=env,
+    subprocess.run(train_command(straight, args.steps, args.data_dir, args.train_flags), cwd=ROOT, env=env,
                    check=True, capture_output=True)
     print(f"uninterrupted run: {time.perf_counter() - start:.0f}s")
 
@@ -122,7 +124,7 @@ def main():
     plan = (["kill -9 during write"] * args.kills_during_write
             + ["kill -9"] * (args.kills - args.kills_during_write) + ["SIGTERM"] * args.sigterms)
     rng.shuffle(plan)
-    command = train_command(faulted, args.steps, args.data_dir)
+    command = train_command(faulted, args.steps, args.data_dir, args.train_flags)
     rows = [interrupt(command, faulted, env, how, rng) for how in plan]
     resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -99,6 +100,30 @@ def copy_run(reference, tmp_path):
     return workdir
 
 
+def tensorboard_steps(workdir, tag):
+    """Steps of ``tag`` TensorBoard shows: event files in time order, a ``file_version`` event
+    with a step (tensorboardX's ``purge_step``) hiding that step and later ones written before."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    files = []
+    for path in glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")):
+        events, data, offset = [], open(path, "rb").read(), 0
+        while offset < len(data):  # TFRecord: length, crc, payload, crc
+            length = struct.unpack("<Q", data[offset:offset + 8])[0]
+            event = Event()
+            event.ParseFromString(data[offset + 12:offset + 12 + length])
+            events.append(event)
+            offset += 16 + length
+        files.append(events)
+    shown = []
+    for events in sorted(files, key=lambda events: events[0].wall_time):
+        for event in events:
+            if event.HasField("file_version") and event.step:
+                shown = [step for step in shown if step < event.step]
+            shown += [event.step for value in event.summary.value if value.tag == tag]
+    return shown
+
+
 def last_line(stderr: str) -> str:
     return stderr.strip().splitlines()[-1]
 
@@ -153,6 +178,7 @@ def test_sigterm_then_kill9_mid_write_then_rerun_is_bit_identical(reference, dig
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == list(range(25, STEPS + 1, 25))  # each step once after the restarts
+    assert tensorboard_steps(workdir, "train/loss") == train_steps
     assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
 
 
