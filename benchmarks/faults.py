@@ -5,7 +5,7 @@
 
 ``configs/vit_digits.py`` shortened to ``--steps`` steps with a checkpoint every 25: first an
 uninterrupted run, then the same command started again and again in a second workdir, each
-time stopped by ``kill -9`` (at a random moment after training resumed, or while Orbax is
+time stopped by ``kill -9`` (at a random step 5 to 30 past the last one logged, or while Orbax is
 writing a checkpoint: its ``<step>.orbax-checkpoint-tmp`` directory is on disk) or by SIGTERM
 (expected: a checkpoint at the current step and exit status 75), then one last run to the
 end. Prints one table row per interruption and compares the final parameters of the two
@@ -64,28 +64,44 @@ def logged_steps(workdir: str) -> list[int]:
     return steps
 
 
-def writing(workdir: str) -> bool:
+def temporary_dirs(workdir: str) -> set:
+    """(name, inode) of Orbax's temporary directories: a killed write leaves one behind, and a
+    new write of the same step replaces it, so a write in progress is a pair not seen before."""
     directory = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(directory) and any(TMP_MARK in n for n in os.listdir(directory))
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    found = set()
+    for name in names:
+        if TMP_MARK in name:
+            try:
+                found.add((name, os.stat(os.path.join(directory, name)).st_ino))
+            except FileNotFoundError:
+                pass  # renamed to its final name meanwhile
+    return found
 
 
 def interrupt(command, workdir, env, how: str, rng: random.Random) -> dict:
     """Starts ``command``, waits for the moment ``how`` asks for, sends the signal."""
     before = max(saved_steps(workdir), default=0)
+    # Records past the restored step are rewritten by the new run: wait for one beyond them.
+    logged_before = max(logged_steps(workdir), default=0)
+    old_temporary = temporary_dirs(workdir)
+    # A random moment within the next 30 steps (logs come every 5; one step takes ~10 ms).
+    target = logged_before + 5 * rng.randint(1, 6)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    moment = ""
+    moment, new_temporary = "", set()
     while proc.poll() is None:
-        if how == "kill -9 during write" and writing(workdir):
-            moment = f"writing step {max(saved_steps(workdir), default=0) + 25}"
+        new_temporary = temporary_dirs(workdir) - old_temporary
+        if how == "kill -9 during write" and new_temporary:
+            moment = f"writing {sorted(new_temporary)[0][0].split('.')[0]}"
             break
-        if how != "kill -9 during write" and max(logged_steps(workdir), default=0) > before:
-            delay = rng.uniform(0.0, 1.5)
+        if how != "kill -9 during write" and max(logged_steps(workdir), default=0) >= target:
+            delay = rng.uniform(0.0, 0.1)
             time.sleep(delay)
-            moment = f"{delay:.2f}s after training resumed"
+            moment = f"{delay:.2f}s after logging step {target}"
             break
         time.sleep(0.001)
-    started_write = writing(workdir)
+    started_write = bool(new_temporary or temporary_dirs(workdir) - old_temporary)
     proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
     _, stderr = proc.communicate()
     return {"how": how, "moment": moment or "(ended first)", "from": before,

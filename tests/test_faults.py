@@ -108,13 +108,16 @@ def tensorboard_steps(workdir, tag):
     files = []
     for path in glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")):
         events, data, offset = [], open(path, "rb").read(), 0
-        while offset < len(data):  # TFRecord: length, crc, payload, crc
+        while offset + 12 <= len(data):  # TFRecord: length, crc, payload, crc
             length = struct.unpack("<Q", data[offset:offset + 8])[0]
+            if offset + 16 + length > len(data):
+                break  # cut short by a kill
             event = Event()
             event.ParseFromString(data[offset + 12:offset + 12 + length])
             events.append(event)
             offset += 16 + length
-        files.append(events)
+        if events:  # a killed run may leave an empty file
+            files.append(events)
     shown = []
     for events in sorted(files, key=lambda events: events[0].wall_time):
         for event in events:
