@@ -25,8 +25,9 @@ class MetricWriter:
             from tensorboardX import SummaryWriter
 
             _truncate_after(self.path, resume_step)
+            # Also on a fresh start: a run killed before its first checkpoint left events.
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                     purge_step=resume_step + 1 if resume_step else None)
+                                     purge_step=resume_step + 1)
 
     def write(self, step: int, scalars: dict) -> None:
         if not self.enabled:
