@@ -5,15 +5,28 @@
 
 Rerunning the same command resumes from the workdir's latest checkpoint. The loop itself is
 ``attnjax.tasks.loop.train_and_evaluate`` (callable from Python).
+
+Exit status: 0 done; 1 failed, with one line on stderr naming the problem (``--verbose``
+adds the traceback); 75 (``EX_TEMPFAIL``) stopped by SIGTERM/SIGINT after saving the current
+step: requeue, rerunning the same command continues (``attnjax/preemption.py``).
 """
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from attnjax import preemption
 from attnjax.tasks.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_digits.py",
                                           "Training config file (configs/*.py[:arg]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and plots.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "On failure, print the traceback too.")
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def main(argv):
@@ -22,7 +35,17 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
-    metrics = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    try:
+        metrics = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except preemption.Preempted as stopped:
+        print(f"train.py: {stopped}", file=sys.stderr)
+        sys.exit(preemption.REQUEUE_EXIT_CODE)
+    except Exception as error:
+        if _VERBOSE.value:
+            raise
+        print(f"train.py: error: {_one_line(error)} (--verbose shows the traceback)",
+              file=sys.stderr)
+        sys.exit(1)
     summary = ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in sorted(metrics.items()))
     logging.info("final: %s", summary)

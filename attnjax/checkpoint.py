@@ -24,6 +24,8 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from attnjax import checkpoint_integrity
+
 CONFIG_FILE = "config.json"
 # Config fields that define the model a checkpoint holds; a resumed run must agree on them.
 IDENTITY_FIELDS = ("task", "model_name", "model")
@@ -104,9 +106,13 @@ class Checkpointer:
                 item_names=("state",))
 
     def save(self, step: int, state, data_state: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
-            data=ocp.args.JsonSave(data_state)))
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
+                data=ocp.args.JsonSave(data_state)))
+        except Exception as error:  # an earlier asynchronous write's failure surfaces here
+            checkpoint_integrity.raise_if_disk_full(error, str(self.manager.directory))
+            raise
 
     def save_best(self, step: int, state, metrics: dict) -> None:
         if self.best_manager is None:
@@ -114,6 +120,8 @@ class Checkpointer:
         if self.best_metric not in metrics:
             raise ValueError(f"config.best_metric={self.best_metric!r} is not among the eval "
                              f"metrics {sorted(metrics)}.")
+        if not np.isfinite(metrics[self.best_metric]):
+            return  # a NaN would compare as "best" and push out the real best checkpoint
         self.best_manager.save(
             step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
@@ -128,13 +136,27 @@ class Checkpointer:
             state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
         return flax.serialization.from_state_dict(state, restored["state"]), restored["data"]
 
+    def restore_intact(self, state):
+        """Restores the newest intact checkpoint (see ``checkpoint_integrity``) ->
+        ``(step, state, data_state)``, or ``(None, state, None)`` when there is none."""
+        steps = list(self.manager.all_steps())
+        if not steps:
+            return None, state, None
+        return checkpoint_integrity.restore_newest_intact(
+            str(self.manager.directory), steps, lambda step: self.restore(state, step),
+            on_moved=self.manager.reload)
+
     def close(self) -> None:
         """Waits for pending asynchronous writes."""
-        self.manager.wait_until_finished()
-        self.manager.close()
-        if self.best_manager is not None:
-            self.best_manager.wait_until_finished()
-            self.best_manager.close()
+        for manager in (self.manager, self.best_manager):
+            if manager is None:
+                continue
+            try:
+                manager.wait_until_finished()
+            except Exception as error:
+                checkpoint_integrity.raise_if_disk_full(error, str(manager.directory))
+                raise
+            manager.close()
 
 
 def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: bool = True,

@@ -18,7 +18,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from attnjax import checkpoint, data, parallel, tasks
+from attnjax import checkpoint, data, nonfinite, parallel, preemption, tasks, workdir_lock
 from attnjax.tasks import report
 
 LOOP_FIELDS = ("task", "seed", "num_train_steps", "batch_size", "log_every", "eval_every",
@@ -33,6 +33,7 @@ def _check_loop_fields(config) -> None:
                 "max_to_keep"):
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
+    nonfinite.check_config(config)
 
 
 def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, workdir, step) -> dict:
@@ -74,15 +75,19 @@ def train_and_evaluate(config, workdir: str) -> dict:
     example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
 
-    ckpt = checkpoint.Checkpointer(workdir, config)
-    train_iter = data.make_iterator(datasets.train, config.get("data"))
-    start = checkpoint.latest_step(workdir)
+    is_main = jax.process_index() == 0
+    lock = workdir_lock.acquire(workdir) if is_main else None
+    try:
+        ckpt = checkpoint.Checkpointer(workdir, config)
+        train_iter = data.make_iterator(datasets.train, config.get("data"))
+        start, state, data_state = ckpt.restore_intact(state)
+    except BaseException:
+        workdir_lock.release(workdir, lock)
+        raise
     if start is not None:
-        state, data_state = ckpt.restore(state)
         train_iter.set_state(data_state)
         logging.info("resumed from %s at step %d", workdir, start)
     start = start or 0
-    is_main = jax.process_index() == 0
     if is_main:
         checkpoint.write_config(workdir, config)
     logging.info("%s: %d train / %d eval examples, %d devices (%s), global batch %d",
@@ -95,7 +100,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     compiled_eval_step = dp.compile_eval_step(
         functools.partial(task.eval_step, config=config, model=model))
     batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
-    writer = report.MetricWriter(workdir, enabled=is_main)
+    writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
+    watch = nonfinite.NonfiniteWatch(config, start)
+
+    def check_pending_finite(step):
+        """Before a save: the flags of the steps not yet fetched (one small transfer)."""
+        watch.check(step, dp.fetch([m["nonfinite"] for m in pending]))
 
     num_steps = config.num_train_steps
     result: dict = {"step": start}
@@ -103,6 +113,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     train_time, timed_steps, tick = 0.0, 0, time.perf_counter()
     bar = tqdm.tqdm(total=num_steps, initial=start, desc=config.task, unit="step",
                     disable=not is_main or config.get("quiet", False), dynamic_ncols=True)
+    stop = preemption.StopRequest().__enter__()
     try:
         for step in range(start + 1, num_steps + 1):
             batch, data_state = next(batches)
@@ -110,7 +121,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
             pending.append(metrics)
             bar.update(1)
             if step % config.log_every == 0 or step == num_steps:
-                logged = jax.tree.map(lambda *xs: float(np.mean(xs)), *dp.fetch(pending))
+                fetched = dp.fetch(pending)
+                watch.check(step, [m.pop("nonfinite") for m in fetched])
+                logged = jax.tree.map(lambda *xs: float(np.mean(xs)), *fetched)
                 now = time.perf_counter()
                 # The first interval includes compilation; count it once there is a later one.
                 if step > start + len(pending) or step == num_steps:
@@ -119,22 +132,31 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 scalars = {f"train/{k}": v for k, v in logged.items()}
                 if timed_steps:
                     scalars["steps_per_sec"] = timed_steps / train_time
+                if watch.mode == "skip":
+                    scalars["train/skipped_steps"] = watch.skipped
                 writer.write(step, scalars)
                 result.update(scalars)
                 shown = "loss" if "loss" in logged else min(logged)
                 bar.set_postfix({shown: f"{logged[shown]:.4f}"}, refresh=False)
                 pending = []
             if step % config.eval_every == 0 or step == num_steps:
+                check_pending_finite(step)
                 eval_metrics = evaluate(task, dp, compiled_eval_step, state, datasets, config=config,
                                         model=model, workdir=workdir, step=step)
                 writer.write(step, eval_metrics)
                 result.update(eval_metrics)
                 bar.write(report.format_table(step, eval_metrics))
                 ckpt.save_best(step, jax.device_get(dp.unreplicate(state)), eval_metrics)
-            if step % config.checkpoint_every == 0 or step == num_steps:
+            preempted = stop.requested(step)
+            if step % config.checkpoint_every == 0 or step == num_steps or preempted:
+                check_pending_finite(step)
                 ckpt.save(step, jax.device_get(dp.unreplicate(state)), data_state)
             result["step"] = step
             tick = time.perf_counter() if step % config.log_every == 0 else tick
+            if preempted and step < num_steps:
+                # Raised before the `finally` below, whose ckpt.close() waits for the write.
+                raise preemption.Preempted(step, str(ckpt.manager.directory),
+                                           stop.signal_name)
         if start >= num_steps:  # already finished: report the final evaluation again
             result.update(evaluate(task, dp, compiled_eval_step, state, datasets, config=config, model=model,
                                    workdir=workdir, step=start))
@@ -142,9 +164,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
             result.update(task.finalize(dp.unreplicate(state), result, config=config,
                                         model=model, workdir=workdir) or {})
     finally:
+        stop.__exit__(None, None, None)
         bar.close()
-        ckpt.close()
-        writer.close()
+        try:
+            ckpt.close()
+        finally:
+            writer.close()
+            workdir_lock.release(workdir, lock)
     if is_main:
         report.plot_curves(workdir)
     return result

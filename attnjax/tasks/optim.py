@@ -12,6 +12,9 @@ Config fields (all top level, so ``--config.learning_rate=1e-3`` works)::
     grad_clip_norm   global-norm clipping (0 disables)
     grad_accum_steps optax.MultiSteps: one update every k train steps (schedule counts updates)
     ema_decay        0 disables; else ``ema = decay * ema + (1 - decay) * params`` each step
+    nonfinite        "stop" (default) | "skip": what a step with a non-finite loss or gradient
+                     norm does (see ``guard_nonfinite``); ``max_skipped_steps`` in a row end a
+                     "skip" run
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from typing import Any
 import flax
 import jax
 import optax
+
+from attnjax import nonfinite
 
 OPTIMIZERS = ("adamw", "sgd")
 DECAY_NAMES = ("kernel",)
@@ -107,8 +112,29 @@ def apply_gradients(state: TrainState, grads, metrics: dict, *, config, tx, axis
     ema = state.ema_params
     if ema is not None:
         ema = ema_update(ema, params, config.ema_decay)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         ema_params=ema), metrics
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              ema_params=ema)
+    new_state, metrics["nonfinite"] = guard_nonfinite(
+        state, new_state, metrics["loss"], metrics["grad_norm"], config.get("nonfinite", "stop"))
+    return new_state, metrics
+
+
+def guard_nonfinite(old_state, new_state, loss, grad_norm, mode: str):
+    """Keeps ``old_state`` (all but its step) when ``loss`` or ``grad_norm`` is not finite.
+
+    Returns ``(state, nonfinite)``, ``nonfinite`` a float32 scalar (1.0 for a dropped update)
+    that the step reports as a metric: the host reads it lazily with the other metrics, so the
+    guard costs no device-to-host sync per step. A dropped update in both modes means the
+    state never holds NaN or inf, whatever is saved; the training loop stops the run at the
+    first flagged step in mode "stop", and after ``max_skipped_steps`` in a row in "skip".
+    """
+    if mode not in nonfinite.MODES:
+        raise ValueError(f"config.nonfinite={mode!r}; expected one of {nonfinite.MODES}.")
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, old_state)
+    # The step still advances: a skipped batch is consumed, so learning rate and data stay
+    # aligned with an uninterrupted run's step count.
+    return kept.replace(step=new_state.step), (~finite).astype(jnp.float32)
 
 
 def ema_update(ema_params, params, decay: float):

@@ -10,16 +10,24 @@ from absl import logging
 
 class MetricWriter:
     """Appends one JSON object per event to ``workdir/metrics.jsonl`` and mirrors the scalars
-    to TensorBoard (``workdir/tensorboard``). Only process 0 writes."""
+    to TensorBoard (``workdir/tensorboard``). Only process 0 writes.
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    ``resume_step``: the step the run restarts from. Records after it were written by a run
+    that stopped before its next checkpoint and will be written again, so they are dropped
+    from metrics.jsonl, and TensorBoard is told to purge them (its ``purge_step``): each step
+    shows once after any number of restarts."""
+
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            _truncate_after(self.path, resume_step)
+            # Also on a fresh start: a run killed before its first checkpoint left events.
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                     purge_step=resume_step + 1)
 
     def write(self, step: int, scalars: dict) -> None:
         if not self.enabled:
@@ -33,6 +41,25 @@ class MetricWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Drops the records of ``path`` after ``step`` (and a last line cut short by a kill)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        f.writelines(kept)
+    os.replace(temporary, path)
 
 
 def read_metrics(workdir: str) -> list[dict]:

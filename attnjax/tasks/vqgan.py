@@ -196,8 +196,11 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
             params["autoencoder"], vq_state, latents, key, config.reseed_threshold)
         params = dict(params, autoencoder=autoencoder_params)
         metrics["reseeded_codes"] = reseeded.astype(jnp.float32)
-    return state.replace(step=step + 1, params=params, quantizer_state=vq_state, opt_state=opt_state,
-                         disc_opt_state=disc_opt_state, batch_stats=batch_stats), metrics
+    new_state = state.replace(step=step + 1, params=params, quantizer_state=vq_state, opt_state=opt_state,
+                              disc_opt_state=disc_opt_state, batch_stats=batch_stats)
+    new_state, metrics["nonfinite"] = optim.guard_nonfinite(
+        state, new_state, metrics["loss"], metrics["grad_norm"], config.get("nonfinite", "stop"))
+    return new_state, metrics
 
 
 def _discriminator_loss(logits_real, logits_fake, step, loss_config):

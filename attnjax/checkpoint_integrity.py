@@ -1,0 +1,105 @@
+"""What a run does with damaged checkpoints and failed checkpoint writes.
+
+Orbax writes a checkpoint under ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>``
+only once complete, so a crash mid-write leaves a temporary directory that restore never
+sees. Files damaged later (a truncated copy, a full disk during an rsync) only show when
+restored; then the newest checkpoint that restores, with finite values, is used instead, and
+each damaged one is moved to ``damaged-<step>`` beside it (kept for inspection, never
+deleted; Orbax ignores names that are not step numbers).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+from typing import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+DAMAGED_PREFIX = "damaged-"
+# OS errors that mean "the disk (or the process's file size limit) is full".
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# Orbax's writer (TensorStore) reports the OS error inside a ValueError's message.
+_TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+
+
+class DamagedCheckpointError(RuntimeError):
+    """No checkpoint of the workdir could be restored."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the ones written before are intact."""
+
+
+def _all_finite(tree) -> bool:
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    return all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.inexact))
+
+
+def move_aside(directory: str, step: int) -> str:
+    """Renames ``directory/<step>`` to ``directory/damaged-<step>`` (``-2``, ... if taken)."""
+    target = os.path.join(directory, f"{DAMAGED_PREFIX}{step}")
+    suffix = 1
+    while os.path.exists(target):
+        suffix += 1
+        target = os.path.join(directory, f"{DAMAGED_PREFIX}{step}-{suffix}")
+    os.rename(os.path.join(directory, str(step)), target)
+    return target
+
+
+def restore_newest_intact(directory: str, steps: list[int], restore: Callable[[int], tuple],
+                          on_moved: Callable[[], None] = lambda: None):
+    """``restore(step) -> (state, data_state)`` of the newest of ``steps`` that restores with
+    finite values -> ``(step, state, data_state)``; damaged ones are moved aside with a warning
+    and ``on_moved()`` called (to rescan the directory). Raises ``DamagedCheckpointError``
+    (one line naming the directory and steps) when none is intact."""
+    damaged = []
+    for step in sorted(steps, reverse=True):
+        try:
+            state, data_state = restore(step)
+            if not _all_finite(state):
+                raise ValueError("non-finite values")
+        except Exception as error:  # any failure to read a step means that step is unusable
+            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            if jax.process_index() == 0:
+                aside = move_aside(directory, step)
+                on_moved()
+                logging.warning("checkpoint %d in %s is damaged (%s: %s); moved to %s, trying "
+                                "the one before", step, directory, type(error).__name__, reason,
+                                aside)
+            damaged.append(step)
+            continue
+        if damaged:
+            logging.warning("resuming from step %d: the newer checkpoint(s) %s were damaged",
+                            step, damaged)
+        return step, state, data_state
+    raise DamagedCheckpointError(
+        f"no intact checkpoint in {directory}: step(s) {damaged} could not be restored (moved "
+        f"to {DAMAGED_PREFIX}<step> for inspection); start a new --workdir, or move one back.")
+
+
+def disk_full_errno(error: BaseException) -> int | None:
+    """The disk-full errno behind ``error`` (its causes included), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return error.errno
+        match = _TENSORSTORE_ERRNO.search(str(error))
+        if match and int(match.group(1)) in DISK_FULL_ERRNOS:
+            return int(match.group(1))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def raise_if_disk_full(error: BaseException, directory: str) -> None:
+    """Re-raises a disk-full failure of a checkpoint write as one readable line."""
+    code = disk_full_errno(error)
+    if code is None:
+        return
+    raise CheckpointWriteError(
+        code, f"could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
+              f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
+              f"(or raise the file size limit) and rerun the same command") from error
