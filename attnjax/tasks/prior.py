@@ -209,15 +209,15 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
         vqgan, split.train_split, shifts=config.data.get("train_shifts", 0), cache_dir=cache_dir)
     eval_codes, eval_labels = encode_split(vqgan, split.eval_split, cache_dir=cache_dir)
     _check_labels(config, train_labels, eval_labels)
-    batch = data.per_process_batch_size(config.batch_size, process_count)
     eval_batch = data.per_process_batch_size(
         config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size")
 
-    train = grain.MapDataset.source(_Records(train_codes, train_labels))[process_index::process_count]
-    if len(train) < batch:
+    train = grain.MapDataset.source(_Records(train_codes, train_labels))
+    if len(train) < config.batch_size:
         raise ValueError(f"config.batch_size={config.batch_size} is larger than the {len(train)} "
-                         "code sequences on this process.")
-    train = train.seed(config.seed).shuffle().repeat(None).batch(batch, drop_remainder=True)
+                         "code sequences.")
+    train = data.process_batches(train.seed(config.seed).shuffle().repeat(None), config.batch_size,
+                                 process_index, process_count)
 
     shard = _Records(eval_codes[process_index::process_count], eval_labels[process_index::process_count])
     num_batches = math.ceil(math.ceil(len(eval_codes) / process_count) / eval_batch)
