@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 import flax.serialization
+from etils import epath
 import grain
 import jax
 import ml_collections
@@ -190,8 +191,10 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
         # Whole arrays on every device, whatever mesh wrote them.
         whole = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)),
                                            jax.sharding.PartitionSpec())
+        saved = ocp.StandardCheckpointHandler().metadata(
+            epath.Path(directory) / str(step) / "state").tree
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=whole),
-                              manager.item_metadata(step)["state"])
+                              saved)
         state = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
     state = jax.tree.map(np.asarray, state["state"])

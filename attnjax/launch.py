@@ -99,7 +99,7 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0,
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = 0
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # polls every one (any() would stop early)
             failed = [(i, p.returncode) for i, p in enumerate(procs)
                       if p.returncode not in (None, 0)]
             if failed:

@@ -131,14 +131,15 @@ class DataParallel:
 
         return jax.tree.map(place, state, self.state_shardings(state))
 
-    def gather(self, state):
-        """Device state -> one whole copy on every device (images, sampling, inference).
+    def to_host(self, state):
+        """Device state -> one whole host (numpy) copy on every process (images, sampling).
 
-        A collective under jit: every process calls it.
+        A collective under jit (the shards are gathered first): every process calls it. Host
+        arrays, because a computation on global arrays would need every process to run it.
         """
         if self.mode == "pmap":
-            return jax.tree.map(lambda x: x[0], state)
-        return jax.jit(lambda tree: tree, out_shardings=self.replicated)(state)
+            return jax.device_get(jax.tree.map(lambda x: x[0], state))
+        return jax.device_get(jax.jit(lambda tree: tree, out_shardings=self.replicated)(state))
 
     def checkpointable(self, state):
         """What a checkpoint stores: the global (possibly sharded) arrays; each process writes

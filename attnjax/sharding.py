@@ -31,33 +31,23 @@ AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
 FSDP = "fsdp"
 
-# Norm scales, biases and step counters are tiny: replicating them saves the collectives.
-_SMALL = (r"(^|/)(bias|scale|count|step)$", P())
-
-# Per task: the models its state holds (ViT; VQGAN autoencoder + discriminator + LPIPS
-# constants; GPT prior), each weight split along its largest evenly dividing dimension.
+# Per task, the models its state holds: the ViT; the VQGAN autoencoder, its codebook,
+# PatchGAN discriminator and LPIPS constants; the GPT prior. As in PyTorch's FSDP, every array
+# is split (a 1-D bias too, when the axis divides it); scalars, step counters and
+# class-count-sized head biases (10, 1000: rarely divisible) stay whole.
+_WHOLE = (r"(^|/)(count|step|mini_step|gradient_step)$|(^|/)head/bias$", P())
 RULES = {
-    "classification": (
-        _SMALL,
-        (r"(^|/)(kernel|pos_embedding|cls_token|reg_token)$", FSDP),  # ViT
-        (r".*", P()),
-    ),
-    "vqgan": (
-        _SMALL,
-        (r"(^|/)(kernel|embedding|codebook|embed_avg|cluster_size)$", FSDP),  # convs, codebook
-        (r".*", P()),
-    ),
-    "prior": (
-        _SMALL,
-        (r"(^|/)(kernel|embedding|pos_emb|pos_embedding)$", FSDP),  # GPT
-        (r".*", P()),
-    ),
+    "classification": (_WHOLE, (r".*", FSDP)),
+    "vqgan": (_WHOLE, (r".*", FSDP)),
+    "prior": (_WHOLE, (r".*", FSDP)),
 }
 
 
 def make_mesh(mesh_config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """``{"data": -1, "fsdp": 2}`` -> a ``Mesh`` over ``devices`` (default: all of them)."""
     devices = list(jax.devices() if devices is None else devices)
+    if hasattr(mesh_config, "to_dict"):
+        mesh_config = mesh_config.to_dict()
     sizes = dict(mesh_config or {"data": -1})
     unknown = [name for name in sizes if name not in AXES]
     if unknown:

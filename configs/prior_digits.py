@@ -56,6 +56,7 @@ def get_config():
     config.eval_batch_size = 120          # 360 test digits = 3 batches
     config.num_train_steps = 1000
     config.parallel = "jit"
+    config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False
 
     config.log_every = 50

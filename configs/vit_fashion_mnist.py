@@ -55,6 +55,7 @@ def get_config():
     config.eval_batch_size = 500
     config.num_train_steps = 30 * EPOCH
     config.parallel = "jit"
+    config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False
 
     config.log_every = 100

@@ -56,6 +56,7 @@ def get_config():
     config.eval_batch_size = 500
     config.num_train_steps = 20_000
     config.parallel = "jit"
+    config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False             # True on multi-host clusters
 
     config.log_every = 100

@@ -69,6 +69,7 @@ def get_config():
     config.eval_batch_size = 360          # the whole test split: eval usage is the split's
     config.num_train_steps = 800          # ~24.5 dB, all codes used
     config.parallel = "jit"
+    config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False
 
     config.log_every = 50

@@ -50,7 +50,7 @@ def train_steps(config):
         state, _ = step(state, dp.shard_batch(next(batches)), jax.random.fold_in(train_rng, i))
     held = (state.params, state.opt_state)
     whole = sum(x.nbytes for x in jax.tree.leaves(held))
-    params = flax.traverse_util.flatten_dict(jax.device_get(dp.gather(state.params)), sep="/")
+    params = flax.traverse_util.flatten_dict(dp.to_host(state.params), sep="/")
     return params, sharding.bytes_per_device(held), whole
 
 
@@ -99,7 +99,7 @@ FOUR_DEVICES = textwrap.dedent("""
     kernel = restored.params["blocks_0"]["mlp"]["fc1"]["kernel"]
     assert kernel.sharding.spec == dp.state_shardings(state).params["blocks_0"]["mlp"]["fc1"][
         "kernel"].spec
-    params = flax.traverse_util.flatten_dict(jax.device_get(dp.gather(restored.params)), sep="/")
+    params = flax.traverse_util.flatten_dict(dp.to_host(restored.params), sep="/")
     np.savez(os.path.join({tmp!r}, "restored4.npz"), **params)
     train_and_evaluate(config, workdir)
     print("DONE")
@@ -134,7 +134,7 @@ def test_fsdp_equals_data_parallel_and_restores_across_meshes(digits_dir, tmp_pa
     ratio = fsdp_bytes["bytes_per_device"] / fsdp_bytes["replicated_bytes"]
     print(f"params + SGD momentum per device: data parallel {dp_bytes['bytes_per_device']} B, "
           f"FSDP x8 {fsdp_bytes['bytes_per_device']} B (ratio {ratio:.4f}, ideal 0.125)")
-    assert 0.125 <= ratio < 0.14, ratio
+    assert 0.125 <= ratio < 0.13, ratio
 
     # The 8-device (data 2 x fsdp 4) run restores whole on this one-device process, bitwise.
     run8 = str(tmp_path / "run8")
@@ -173,6 +173,7 @@ def test_fsdp_spec_takes_the_largest_dimension_the_axis_divides():
                               rules) == P(None, "fsdp")
     assert sharding.leaf_spec("opt_state/0/count", (), mesh, rules) == P()
     assert sharding.leaf_spec("params/head/bias", (16,), mesh, rules) == P()
+    assert sharding.leaf_spec("params/norm/scale", (16,), mesh, rules) == P("fsdp")
 
 
 @pytest.mark.parametrize("mesh, message", [

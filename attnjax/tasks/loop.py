@@ -46,7 +46,7 @@ def evaluate(task, dp, p_eval, state, datasets, *, config, model, workdir, step)
     count = float(totals.pop("count"))
     metrics = {f"eval/{k}": float(v) / count for k, v in totals.items()}
     if hasattr(task, "write_images"):
-        whole = dp.gather(state)  # a collective: every process takes part
+        whole = dp.to_host(state)  # a collective: every process takes part
         if jax.process_index() == 0:
             task.write_images(whole, first, config=config, model=model, workdir=workdir,
                               step=step)
@@ -143,7 +143,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             result.update(evaluate(task, dp, p_eval, state, datasets, config=config, model=model,
                                    workdir=workdir, step=start))
         if hasattr(task, "finalize"):
-            result.update(task.finalize(dp.gather(state), result, config=config,
+            result.update(task.finalize(dp.to_host(state), result, config=config,
                                         model=model, workdir=workdir) or {})
     finally:
         bar.close()
