@@ -9,7 +9,8 @@ local port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, which
 ``--devices-per-process N`` gives each process N simulated CPU devices
 (``--xla_force_host_platform_device_count``). Output lines are prefixed ``[p<i>]``. When one
 process fails (or is killed), the others are killed too (a collective would wait for it
-forever) and the launcher exits with the failed process's code; 0 when all succeed.
+forever) and the launcher exits with the failed process's code (128 + N when signal N killed
+it); 0 when all succeed.
 On a GPU cluster or TPU pod use the scheduler instead (see docs/scaling.md).
 """
 from __future__ import annotations
@@ -114,7 +115,7 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0,
             thread.join(timeout=GRACE_SECONDS)
         if code == 0:
             code = next((p.returncode for p in procs if p.returncode != 0), 0)
-        return code
+        return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

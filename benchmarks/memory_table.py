@@ -18,8 +18,8 @@ vocab 16384 codes + 1000 classes, block 256 + 1):
   and has no remat option;
 * model state per device = parameters + gradients + optimiser state (16 bytes per parameter
   with AdamW); data parallelism holds all of it on every device, FSDP ``1 / devices`` of it;
-* "fits" = model state + activations of one example per device (with remat where the model
-  has it) within 16 GiB / 80 GiB.
+* examples / device: the largest per-device batch whose activations (with remat where the
+  model has it) fit beside the model state in 16 GiB / 80 GiB; "no" = not even one.
 """
 from __future__ import annotations
 
@@ -148,32 +148,35 @@ def per_device(row, devices: int, fsdp: bool) -> int:
     return -(-state // devices) if fsdp else state
 
 
-def fits(row, devices, fsdp, capacity_gib) -> bool:
+def examples_that_fit(row, devices, fsdp, capacity_gib) -> int:
+    """Largest per-device batch whose activations (remat where available) fit beside the
+    model state; 0: not even one example."""
     activations = row["activation_bytes_remat"] or row["activation_bytes"]
-    return per_device(row, devices, fsdp) + activations <= capacity_gib * GIB
+    return max(0, (capacity_gib * GIB - per_device(row, devices, fsdp)) // activations)
 
 
 def format_table(rows, device_counts) -> str:
     gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    layouts = "DP / " + " / ".join(f"FSDP x{n}" for n in device_counts)
     lines = ["| model | parameters | params GiB | AdamW GiB | activations / example GiB "
              "(no remat / remat) | DP GiB / device | "
              + " | ".join(f"FSDP x{n} GiB / device" for n in device_counts)
-             + " | fits 16 GiB (DP / FSDP x" + "/".join(map(str, device_counts)) + ")"
-             + " | fits 80 GiB (DP / FSDP x" + "/".join(map(str, device_counts)) + ") |"]
-    lines.append("|" + "---|" * (8 + len(device_counts)))
+             + "".join(f" | examples / device in {c} GiB ({layouts})" for c in CAPACITIES_GIB)
+             + " |"]
+    lines.append("|" + "---|" * (6 + len(device_counts) + len(CAPACITIES_GIB)))
     for row in rows:
         remat = gib(row["activation_bytes_remat"]) if row["activation_bytes_remat"] else "n/a"
         fit = []
         for capacity in CAPACITIES_GIB:
-            marks = ["yes" if fits(row, 1, False, capacity) else "no"]
-            marks += ["yes" if fits(row, n, True, capacity) else "no" for n in device_counts]
-            fit.append(" / ".join(marks))
+            counts = [examples_that_fit(row, 1, False, capacity)]
+            counts += [examples_that_fit(row, n, True, capacity) for n in device_counts]
+            fit.append(" / ".join(str(c) if c else "**no**" for c in counts))
         lines.append(
             f"| {row['model']} | {row['parameters'] / 1e6:.1f} M | {gib(row['param_bytes'])} | "
             f"{gib(row['optimizer_bytes'])} | {gib(row['activation_bytes'])} / {remat} | "
             f"{gib(per_device(row, 1, False))} | "
             + " | ".join(gib(per_device(row, n, True)) for n in device_counts)
-            + f" | {fit[0]} | {fit[1]} |")
+            + "".join(f" | {f}" for f in fit) + " |")
     return "\n".join(lines)
 
 
@@ -181,7 +184,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--json", default="benchmarks/results/memory.json")
+    parser.add_argument("--from-json", action="store_true",
+                        help="reprint the table from --json instead of compiling again")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.json) as f:
+            print(format_table(json.load(f)["rows"], args.devices))
+        return
     rows = [vit_row("ViT-B/16", "B/16", 224), vit_row("ViT-L/16", "L/16", 224),
             vit_row("ViT-H/14", "H/14", 224), vqgan_row("VQGAN f16 (ImageNet)"),
             gpt_row("GPT prior 1.4B")]

@@ -17,10 +17,13 @@ from test_data import ROOT
 
 from attnjax import checkpoint, launch, parallel
 
-VIT_FLAGS = ("--config.model.width=16", "--config.model.depth=1", "--config.model.num_heads=2",
+# SGD: Adam divides each gradient by its own magnitude, so parameters whose true gradient is
+# zero (attention key biases: softmax ignores them) would move by rounding noise, which differs
+# between gloo's and one process's reduction order.
+VIT_FLAGS = ("--config.optimizer=sgd", "--config.learning_rate=0.3", "--config.model.width=16", "--config.model.depth=1", "--config.model.num_heads=2",
              "--config.model.mlp_dim=32", "--config.batch_size=16",
              "--config.eval_batch_size=40", "--config.warmup_steps=2", "--config.log_every=10",
-             "--config.eval_every=20", "--config.checkpoint_every=10", "--config.quiet=True")
+             "--config.eval_every=20", "--config.checkpoint_every=10")
 VIT_STEPS = 60
 
 
@@ -106,11 +109,14 @@ def test_two_processes_killed_and_resumed_equal_one_process(digits_dir, tmp_path
 
 def test_vqgan_two_processes_sharded_equal_one_process(digits_dir, tmp_path):
     """The VQGAN task (autoencoder + PatchGAN discriminator) with its parameters split over
-    4 devices of 2 processes computes what one process over 4 devices computes."""
-    flags = ("--config.data.eval_split=test[:64]", "--config.model.ddconfig.ch_mult=(1,)",
+    4 devices of 2 processes computes what one process over 4 devices computes. SGD, as above:
+    a GroupNorm with one channel per group erases its input's per-channel biases, whose
+    gradients are then rounding noise that Adam would blow up to full steps."""
+    flags = ("--config.optimizer=sgd", "--config.learning_rate=0.05",
+             "--config.disc_learning_rate=0.05", "--config.data.eval_split=test[:64]", "--config.model.ddconfig.ch_mult=(1,)",
              "--config.model.ddconfig.num_res_blocks=1", "--config.batch_size=16",
              "--config.eval_batch_size=32", "--config.warmup_steps=1", "--config.log_every=2",
-             "--config.eval_every=4", "--config.checkpoint_every=4", "--config.quiet=True",
+             "--config.eval_every=4", "--config.checkpoint_every=4",
              "--config.num_train_steps=4", "--config.loss.disc_start=2",
              "--config.loss.disc_weight=0.5")
     one = str(tmp_path / "one")
@@ -123,7 +129,7 @@ def test_vqgan_two_processes_sharded_equal_one_process(digits_dir, tmp_path):
     reference, got = flat_params(one, use_ema=False), flat_params(two, use_ema=False)
     assert sorted(got) == sorted(reference)
     for key, value in reference.items():
-        assert_close(got[key], value, rtol=1e-4, atol=1e-5, what=key)
+        assert_close(got[key], value, rtol=1e-5, atol=1e-6, what=key)
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):

@@ -160,7 +160,9 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
         codes.append(np.asarray(encode(padded))[:len(chunk)].reshape(len(chunk), -1))
     codes = np.concatenate(codes).astype(np.int32)
     os.makedirs(cache_dir, exist_ok=True)
-    partial = f"{path}.partial.npz"  # written whole, then renamed: a killed run leaves no bad cache
+    # Written whole, then renamed: a killed run leaves no bad cache; per process, because every
+    # process of a multi-process run encodes (and writes) the same split.
+    partial = f"{path}.{os.getpid()}.partial.npz"
     np.savez(partial, codes=codes, labels=labels, key=key)
     os.replace(partial, path)
     logging.info("prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path)
