@@ -9,7 +9,6 @@ import threading
 import time
 
 import flax
-import numpy as np
 import pytest
 
 from conftest import assert_close
