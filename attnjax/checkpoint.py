@@ -4,14 +4,17 @@ A workdir holds::
 
     config.json              the run's config (written once the run is known to be valid)
     checkpoints/<step>/      latest checkpoints: "state" (the task's train state as a nested
-                             dict: step, params, opt_state, ...) and "data" (the train
-                             iterator's state), the last ``max_to_keep`` kept
+                             dict: step, params, opt_state, ...; each process writes the shards
+                             it holds) and "data" (each process's train iterator state,
+                             ``process_<i>-of-<n>.json``), the last ``max_to_keep`` kept
     checkpoints_best/<step>/ optional: the state at the best ``config.best_metric`` so far
 
 Saving is asynchronous (Orbax copies to host, then writes in a background thread);
 ``Checkpointer.close()`` waits for the writes. Restarting a run in the same workdir restores
 the latest checkpoint (state, optimiser state, data iterator position, step; per-step RNG keys
-are derived from ``(seed, step)``), so it continues exactly where it stopped.
+are derived from ``(seed, step)``), so it continues exactly where it stopped. A checkpoint
+restores onto any mesh (its arrays are resharded to the target's layout), e.g. one written by
+8 devices with sharded parameters restores whole on one device for inference.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import json
 import logging as std_logging
 import os
 import flax.serialization
+from etils import epath
+import grain
 import jax
 import ml_collections
 import numpy as np
@@ -102,14 +107,19 @@ class Checkpointer:
             self.best_manager = ocp.CheckpointManager(
                 _checkpoint_dir(workdir, best=True),
                 options=ocp.CheckpointManagerOptions(
-                    max_to_keep=1, best_fn=lambda m: float(m[metric]), best_mode=mode, create=True),
+                    max_to_keep=1, best_fn=lambda m: float(m[metric]), best_mode=mode, create=True,
+                    # Both managers may save the same step; Orbax names its cross-process
+                    # barriers by step, so they need distinct prefixes not to collide.
+                    multiprocessing_options=ocp.options.MultiprocessingOptions(
+                        barrier_sync_key_prefix="best")),
                 item_names=("state",))
 
     def save(self, step: int, state, data_state: dict) -> None:
+        """``state``: host or global device arrays; ``data_state``: this process's iterator."""
         try:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
-                data=ocp.args.JsonSave(data_state)))
+                data=grain.checkpoint.CheckpointSave(_IteratorState(data_state))))
         except Exception as error:  # an earlier asynchronous write's failure surfaces here
             checkpoint_integrity.raise_if_disk_full(error, str(self.manager.directory))
             raise
@@ -127,24 +137,28 @@ class Checkpointer:
                 state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
             metrics={k: float(v) for k, v in metrics.items()})
 
-    def restore(self, state, step: int | None = None):
-        """Restores into the structure (and shardings) of ``state`` -> ``(state, data_state)``."""
+    def restore(self, state, iterator, step: int | None = None):
+        """Restores into the structure and shardings of ``state`` (placed device arrays, or host
+        arrays on one process) -> the restored state; ``iterator`` (this process's train
+        iterator) is set to its saved position."""
         step = self.manager.latest_step() if step is None else step
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                               flax.serialization.to_state_dict(state))
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-        return flax.serialization.from_state_dict(state, restored["state"]), restored["data"]
+            state=ocp.args.StandardRestore(target),
+            data=grain.checkpoint.CheckpointRestore(iterator)))
+        return flax.serialization.from_state_dict(state, restored["state"])
 
-    def restore_intact(self, state):
-        """Restores the newest intact checkpoint (see ``checkpoint_integrity``) ->
-        ``(step, state, data_state)``, or ``(None, state, None)`` when there is none."""
+    def restore_intact(self, state, iterator):
+        """Restores the newest intact checkpoint (see ``checkpoint_integrity``) and sets
+        ``iterator`` to its position -> ``(step, state)``, or ``(None, state)`` when there is none."""
         steps = list(self.manager.all_steps())
         if not steps:
-            return None, state, None
-        return checkpoint_integrity.restore_newest_intact(
-            str(self.manager.directory), steps, lambda step: self.restore(state, step),
+            return None, state
+        step, state, _ = checkpoint_integrity.restore_newest_intact(
+            str(self.manager.directory), steps, lambda step: (self.restore(state, iterator, step), None),
             on_moved=self.manager.reload)
+        return step, state
 
     def close(self) -> None:
         """Waits for pending asynchronous writes."""
@@ -157,6 +171,16 @@ class Checkpointer:
                 checkpoint_integrity.raise_if_disk_full(error, str(manager.directory))
                 raise
             manager.close()
+
+
+class _IteratorState:
+    """A saved iterator position in the form grain's checkpoint handler writes (JSON bytes)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state, indent=2).encode()
 
 
 def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: bool = True,
@@ -195,7 +219,15 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
             step = manager.best_step() if best else manager.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoints under {directory!r}.")
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        # Whole arrays on every device, whatever mesh wrote them.
+        whole = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)),
+                                           jax.sharding.PartitionSpec())
+        saved = ocp.StandardCheckpointHandler().metadata(
+            epath.Path(directory) / str(step) / "state").tree
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=whole),
+                              saved)
+        state = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))
     state = jax.tree.map(np.asarray, state["state"])
     params = state["params"]
     if use_ema and state.get("ema_params") is not None:

@@ -3,12 +3,16 @@
 Every dataset (the embedded digits, CIFAR-10, MNIST, ...) takes the same path::
 
     tfds.data_source(name, split, data_dir) -> grain.MapDataset
-        -> this process's shard -> seeded shuffle (re-drawn every epoch) -> repeat
-        -> resize -> augmentation (random_map) -> normalise -> batch
+        -> seeded shuffle (re-drawn every epoch) -> repeat -> resize
+        -> augmentation (random_map) -> normalise -> this process's rows of each global batch
 
 A train batch is ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}``; an eval batch
 adds ``"mask"`` float32 ``[batch]`` (0.0 on the padding that completes the last batch, so every
 eval example counts exactly once). Batches are per process: ``global_batch / process_count``.
+Train batch ``t`` of process ``p`` is rows ``[p * b, (p + 1) * b)`` of global batch ``t`` (``b``
+the per-process batch), and the global stream is the same whatever the process count, so a run
+on several processes sees the same examples in the same order as one process over as many
+devices. Each process checkpoints its own iterator state.
 
 Random transforms draw from generators seeded by (seed, position in the stream), so the
 stream is a pure function of the seed and the iterator's position; the position
@@ -190,10 +194,26 @@ def per_process_batch_size(batch_size: int, process_count: int, what: str = "con
     return batch_size // process_count
 
 
+def process_batches(examples: grain.MapDataset, global_batch: int, process_index: int = 0,
+                    process_count: int = 1) -> grain.MapDataset:
+    """This process's rows of each global batch of ``examples``: ``[global_batch / count, ...]``.
+
+    Global batch ``t`` is ``examples[t * global_batch:(t + 1) * global_batch]`` for every process
+    count; ``examples`` is read by index, so its random transforms (seeded by position) do not
+    depend on the process count either.
+    """
+    local = per_process_batch_size(global_batch, process_count)
+
+    def read(i):
+        return examples[(i // local) * global_batch + process_index * local + i % local]
+
+    rows = grain.MapDataset.range(len(examples) // process_count).map(read)
+    return rows.batch(local, drop_remainder=True)
+
+
 def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> Datasets:
     """Train and eval pipelines for ``config.data`` (see the module docstring)."""
     data = config.data
-    batch = per_process_batch_size(config.batch_size, process_count)
     eval_batch = per_process_batch_size(config.get("eval_batch_size") or config.batch_size,
                                         process_count, "config.eval_batch_size")
 
@@ -201,17 +221,17 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     eval_source = load_source(data.name, data.eval_split, data.data_dir)
     example, normalize = _example_fn(data), _normalize_fn(data)
 
-    train = grain.MapDataset.source(train_source)[process_index::process_count]
+    train = grain.MapDataset.source(train_source)
     num_train = len(train)
-    if num_train < batch:
+    if num_train < config.batch_size:
         raise ValueError(f"config.batch_size={config.batch_size} is larger than the "
-                         f"{num_train} train examples of {data.name!r} on this process.")
+                         f"{num_train} train examples of {data.name!r}.")
     padding, flip = data.get("crop_padding", 0), data.get("flip", False)
     train = (train.seed(config.seed).shuffle().repeat(None).map(example))
     if padding or flip:
         train = train.random_map(
             lambda ex, rng: {**ex, "image": random_crop_flip(ex["image"], rng, padding, flip)})
-    train = train.map(normalize).batch(batch, drop_remainder=True)
+    train = process_batches(train.map(normalize), config.batch_size, process_index, process_count)
 
     evaluation = padded_eval_dataset(eval_source, eval_batch, process_index=process_index,
                                      process_count=process_count,

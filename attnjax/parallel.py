@@ -1,16 +1,21 @@
-"""Data parallelism around a task's pure ``train_step``: declared, not written.
+"""Data parallelism and sharded parameters around a task's pure ``train_step``: declared.
 
 Two ways to run the same step function over every device of every process:
 
-* ``"jit"`` (default, what JAX recommends): a 1-D mesh ``("data",)`` over all devices; the
-  batch is a global array sharded along its leading axis, the state is replicated, and XLA
-  inserts the gradient all-reduce. The step sees the global batch (``axis_name=None``).
+* ``"jit"`` (default, what JAX recommends): a mesh over all devices (``config.mesh``, default
+  ``{"data": -1}``; see ``attnjax.sharding``); the batch is a global array split along its
+  leading axis over the ``data`` and ``fsdp`` axes, the state is laid out by the task's
+  partition rules (replicated under pure data parallelism, split over ``fsdp`` otherwise), and
+  XLA inserts the collectives. The step sees the global batch (``axis_name=None``).
 * ``"pmap"``: the state is replicated with a leading ``[local_devices]`` axis, the batch is
   reshaped to ``[local_devices, batch / devices, ...]``, and the step runs per device with
   ``axis_name="data"`` so it ``lax.pmean``s gradients and metrics itself.
 
 Both donate the state buffers. ``Prefetcher`` keeps the next batches on the devices while the
 current step runs, so no host-to-device copy sits between two steps.
+
+Several processes (hosts): ``maybe_initialize_distributed`` joins them into one JAX runtime
+before any device is touched; ``python -m attnjax.launch`` starts them on one machine.
 """
 from __future__ import annotations
 
@@ -24,22 +29,51 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from attnjax import sharding
+
 MODES = ("jit", "pmap")
 AXIS = "data"
+# What jax.distributed.initialize() does not read from the environment itself.
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 
 
-def maybe_initialize_distributed(config) -> None:
-    """``jax.distributed.initialize()`` when ``config.distributed`` or the environment asks.
+def _int_from_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} is not an integer.") from None
 
-    The environment asks with ``JAX_COORDINATOR_ADDRESS`` (plus ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``), or on clusters JAX detects itself (SLURM, TPU pods) via
-    ``config.distributed=True``.
+
+def maybe_initialize_distributed(config=None) -> None:
+    """Joins this process to a multi-process JAX runtime when asked; else does nothing.
+
+    Asked by ``$JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0) with
+    ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID`` (what ``python -m attnjax.launch`` sets), or
+    by ``config.distributed=True`` on clusters JAX detects itself (SLURM, TPU pods, Open MPI),
+    where ``jax.distributed.initialize()`` finds all three on its own. CPU devices exchange
+    data through gloo (the CPU client has no collectives across processes otherwise).
     """
-    if not (config.get("distributed", False) or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+    wanted = (config is not None and config.get("distributed", False)) or os.environ.get(
+        ENV_COORDINATOR)
+    if not wanted or jax.distributed.is_initialized():
         return
-    if jax.distributed.is_initialized():
-        return
-    jax.distributed.initialize()
+    num_processes, process_id = _int_from_env(ENV_NUM_PROCESSES), _int_from_env(ENV_PROCESS_ID)
+    if os.environ.get(ENV_COORDINATOR) and (num_processes is None or process_id is None):
+        raise ValueError(f"${ENV_COORDINATOR} is set but ${ENV_NUM_PROCESSES}={num_processes} "
+                         f"and ${ENV_PROCESS_ID}={process_id}; set both (python -m "
+                         f"attnjax.launch does).")
+    if num_processes is not None and process_id is not None and not (
+            0 <= process_id < num_processes):
+        raise ValueError(f"${ENV_PROCESS_ID}={process_id} is outside [0, "
+                         f"${ENV_NUM_PROCESSES}={num_processes}).")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=os.environ.get(ENV_COORDINATOR) or None,
+                               num_processes=num_processes, process_id=process_id)
     logging.info("jax.distributed: process %d of %d, %d global devices", jax.process_index(),
                  jax.process_count(), jax.device_count())
 
@@ -47,43 +81,71 @@ def maybe_initialize_distributed(config) -> None:
 class DataParallel:
     """Placement and compilation for one ``mode`` (``"jit"`` or ``"pmap"``).
 
-    ``batch_size`` is the global batch; it must split evenly over the devices.
+    ``batch_size`` is the global batch; it must split evenly over the batch axes of the mesh.
+    ``mesh``: ``config.mesh`` (jit only); ``rules``: partition rules (``attnjax.sharding``).
     """
 
-    def __init__(self, mode: str, batch_size: int, eval_batch_size: int | None = None):
+    def __init__(self, mode: str, batch_size: int, eval_batch_size: int | None = None, *,
+                 mesh=None, rules=None):
         if mode not in MODES:
             raise ValueError(f"config.parallel={mode!r} is not supported; expected one of {MODES}.")
+        self.mode = mode
+        self.mesh = sharding.make_mesh(mesh)
+        self.rules = rules or ((r".*", P()),)
+        batch_devices = sharding.batch_size_divisor(self.mesh)
+        if mode == "pmap" and batch_devices != jax.device_count():
+            raise ValueError(f"config.mesh={dict(self.mesh.shape)} splits parameters, which "
+                             f"config.parallel='pmap' cannot; use 'jit'.")
         for name, size in (("config.batch_size", batch_size),
                            ("config.eval_batch_size", eval_batch_size or batch_size)):
-            if size % jax.device_count():
-                raise ValueError(f"{name}={size} is not divisible by the {jax.device_count()} "
-                                 f"devices ({jax.process_count()} process(es)); data parallelism "
-                                 f"needs an equal share per device.")
-        self.mode = mode
-        self.mesh = jax.make_mesh((jax.device_count(),), (AXIS,),
-                                  axis_types=(jax.sharding.AxisType.Auto,))
+            if size % batch_devices:
+                raise ValueError(f"{name}={size} is not divisible by the {batch_devices} "
+                                 f"devices ({jax.process_count()} process(es)) the batch is "
+                                 f"split over; data parallelism needs an equal share per "
+                                 f"device.")
         self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
+        self.batch_sharding = NamedSharding(self.mesh, sharding.batch_spec(self.mesh))
         # pmap's layout: a leading [local_devices] axis, one slice per local device.
         self.stacked = NamedSharding(jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,)),
                                      P(AXIS))
 
     # ---- placement --------------------------------------------------------------------------
 
-    def replicate(self, state):
-        """Host/single-device state -> replicated device state."""
+    def state_shardings(self, state):
+        """The partition rules applied to ``state`` (a tree of ``NamedSharding``; jit mode)."""
+        return sharding.tree_shardings(state, self.mesh, self.rules)
+
+    def place_state(self, state):
+        """Host (or already placed) state -> device state: sharded by the rules (jit) or
+        replicated with a leading device axis (pmap). Every process passes the same values."""
         if self.mode == "pmap":
             n = jax.local_device_count()
             return jax.tree.map(lambda x: jax.device_put(
                 np.broadcast_to(np.asarray(x), (n, *np.shape(x))), self.stacked), state)
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)),
-            state)
 
-    def unreplicate(self, state):
-        """Device state -> one copy (what checkpoints store and inference uses)."""
+        def place(x, target):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return jax.device_put(x, target)  # a global array: XLA reshards it
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, target, lambda index: x[index])
+
+        return jax.tree.map(place, state, self.state_shardings(state))
+
+    def to_host(self, state):
+        """Device state -> one whole host (numpy) copy on every process (images, sampling).
+
+        A collective under jit (the shards are gathered first): every process calls it. Host
+        arrays, because a computation on global arrays would need every process to run it.
+        """
         if self.mode == "pmap":
-            return jax.tree.map(lambda x: x[0], state)
+            return jax.device_get(jax.tree.map(lambda x: x[0], state))
+        return jax.device_get(jax.jit(lambda tree: tree, out_shardings=self.replicated)(state))
+
+    def checkpointable(self, state):
+        """What a checkpoint stores: the global (possibly sharded) arrays; each process writes
+        its own shards. Under pmap: one host copy."""
+        if self.mode == "pmap":
+            return jax.device_get(jax.tree.map(lambda x: x[0], state))
         return state
 
     def shard_batch(self, batch):
@@ -103,11 +165,12 @@ class DataParallel:
 
     # ---- compilation ------------------------------------------------------------------------
 
-    def compile_train_step(self, train_step: Callable) -> Callable:
+    def compile_train_step(self, train_step: Callable, state_shardings=None) -> Callable:
         """``train_step(state, batch, rng, axis_name=...)`` -> compiled ``step(state, batch, rng)``.
 
         ``rng`` is one key; under pmap each device folds in its index (dropout differs per
-        device slice, as it does across a global batch under jit).
+        device slice, as it does across a global batch under jit). ``state_shardings`` (jit):
+        the layout the new state keeps (``state_shardings(state)``; default replicated).
         """
         if self.mode == "pmap":
             def per_device(state, batch, rng):
@@ -117,8 +180,8 @@ class DataParallel:
             return jax.pmap(per_device, axis_name=AXIS, in_axes=(0, 0, None),
                             donate_argnums=(0,))
         step = functools.partial(train_step, axis_name=None)
-        return jax.jit(step, out_shardings=(self.replicated, self.replicated),
-                       donate_argnums=(0,))
+        state_out = self.replicated if state_shardings is None else state_shardings
+        return jax.jit(step, out_shardings=(state_out, self.replicated), donate_argnums=(0,))
 
     def compile_eval_step(self, eval_step: Callable) -> Callable:
         """``eval_step(state, batch) -> sums`` -> compiled function returning global sums."""

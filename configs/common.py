@@ -25,7 +25,10 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.eval_batch_size = 0            # 0: batch_size
     config.num_train_steps = 1000
     config.parallel = "jit"               # or "pmap"
+    config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False            # True on multi-host clusters
+    config.nonfinite = "stop"             # or "skip": drop a non-finite update and go on
+    config.max_skipped_steps = 10         # with "skip": stop after this many in a row
 
     config.log_every = 100
     config.eval_every = 1000

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from attnjax import checkpoint
+from attnjax import checkpoint, data
 
 
 @flax.struct.dataclass
@@ -55,10 +55,11 @@ def test_save_restore_roundtrip_and_max_to_keep(tmp_path):
     assert checkpoint.latest_step(workdir) == 3
     ckpt = checkpoint.Checkpointer(workdir, config)
     assert ckpt.manager.all_steps() == [2, 3]
-    restored, data_state = ckpt.restore(make_state(0))
+    iterator = data.make_iterator(data.grain.MapDataset.range(100))
+    restored = ckpt.restore(make_state(0), iterator)
     ckpt.close()
     assert_trees_equal(restored, make_state(3))
-    assert data_state == {"next_index": 30}
+    assert next(iterator) == 30 and iterator.get_state() == {"next_index": 31}
 
 
 def test_best_checkpoint_and_load(tmp_path):

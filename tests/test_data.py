@@ -136,11 +136,25 @@ def test_process_shards_are_disjoint_and_complete(digits_config):
     shards = []
     for index in range(2):
         ds = data.make_datasets(digits_config, process_index=index, process_count=2)
-        assert ds.num_train_examples == (719, 718)[index]
+        assert ds.num_train_examples == 1437  # each process reads rows of every global batch
         batches = list(data.make_iterator(ds.eval))
         assert len(batches) == 4 and batches[0]["image"].shape[0] == 50  # 100 / 2 per process
         shards += [img.tobytes() for b in batches for img in b["image"][b["mask"] > 0]]
     assert sorted(shards) == full
+
+
+def test_global_batches_do_not_depend_on_the_process_count(digits_config):
+    """Process p's train batch t is rows [p * b, (p + 1) * b) of the one-process batch t, random
+    crops included, across an epoch boundary (1437 examples: 44.9 batches of 32)."""
+    one = data.make_iterator(data.make_datasets(digits_config).train)
+    two = [data.make_iterator(data.make_datasets(digits_config, process_index=index,
+                                                 process_count=2).train) for index in range(2)]
+    for _ in range(46):
+        whole = next(one)
+        halves = [next(iterator) for iterator in two]
+        for key in ("image", "label"):
+            np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), whole[key])
+    assert two[1].get_state() == two[0].get_state() == {"next_index": 46}
 
 
 def test_unknown_dataset_and_unprepared_dataset_errors(tmp_path):

@@ -24,18 +24,20 @@ PACKAGE = ROOT / "attnjax"
 
 LAYERS = {
     "attnjax": 0,  # the package __init__: a docstring and a version
-    "attnjax.attention": 0,
+    "attnjax.blocked_attention": 0,
+    "attnjax.attention": 0.1,
     "attnjax.positional": 0,
     **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling",
                                          "images")},
     "attnjax.convert": 2,
-    **{f"attnjax.{name}": 3 for name in ("data", "parallel", "checkpoint", "checkpoint_integrity",
+    **{f"attnjax.{name}": 3 for name in ("data", "sharding", "parallel", "checkpoint", "checkpoint_integrity",
                                          "nonfinite", "preemption", "workdir_lock")},
     "attnjax.tasks.optim": 4.0,
     "attnjax.tasks.report": 4.0,
     **{f"attnjax.tasks.{name}": 4.1 for name in ("classification", "vqgan", "prior")},
     "attnjax.tasks": 4.1,
     "attnjax.tasks.loop": 4.2,
+    "attnjax.launch": 5,
 }
 TORCH_WORLD = ("torch", "torchvision", "timm", "lpips", "taming")
 MAY_IMPORT_TORCH = ("attnjax.convert",)

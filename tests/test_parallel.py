@@ -40,9 +40,9 @@ def jit_steps(config):
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     state = classification.create_train_state(init_rng, config, model,
                                               next(data.make_iterator(ds.train)))
-    state = dp.replicate(state)
+    state = dp.place_state(state)
     step = dp.compile_train_step(functools.partial(classification.train_step, config=config,
-                                                   model=model))
+                                                   model=model), dp.state_shardings(state))
     batches = data.make_iterator(ds.train)
     for i in range(config.num_train_steps):
         state, _ = step(state, dp.shard_batch(next(batches)), jax.random.fold_in(train_rng, i))

@@ -18,7 +18,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from attnjax import checkpoint, data, nonfinite, parallel, preemption, tasks, workdir_lock
+from attnjax import checkpoint, data, nonfinite, parallel, preemption, sharding, tasks, workdir_lock
 from attnjax.tasks import report
 
 LOOP_FIELDS = ("task", "seed", "num_train_steps", "batch_size", "log_every", "eval_every",
@@ -46,9 +46,11 @@ def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, wo
     totals = dp.fetch(totals)
     count = float(totals.pop("count"))
     metrics = {f"eval/{k}": float(v) / count for k, v in totals.items()}
-    if hasattr(task, "write_images") and jax.process_index() == 0:
-        task.write_images(dp.unreplicate(state), first, config=config, model=model,
-                          workdir=workdir, step=step)
+    if hasattr(task, "write_images"):
+        whole = dp.to_host(state)  # a collective: every process takes part
+        if jax.process_index() == 0:
+            task.write_images(whole, first, config=config, model=model, workdir=workdir,
+                              step=step)
     return metrics
 
 
@@ -64,7 +66,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     task = tasks.get_task(config.task)
     parallel.maybe_initialize_distributed(config)
     dp = parallel.DataParallel(config.get("parallel", "jit"), config.batch_size,
-                               config.get("eval_batch_size") or None)
+                               config.get("eval_batch_size") or None,
+                               mesh=config.get("mesh", None), rules=sharding.rules_for(config))
     checkpoint.check_compatible(workdir, config)
 
     model = task.create_model(config)
@@ -74,18 +77,19 @@ def train_and_evaluate(config, workdir: str) -> dict:
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
+    if dp.mode == "jit":
+        state = dp.place_state(state)  # restored checkpoints take this layout
 
     is_main = jax.process_index() == 0
     lock = workdir_lock.acquire(workdir) if is_main else None
     try:
         ckpt = checkpoint.Checkpointer(workdir, config)
         train_iter = data.make_iterator(datasets.train, config.get("data"))
-        start, state, data_state = ckpt.restore_intact(state)
+        start, state = ckpt.restore_intact(state, train_iter)
     except BaseException:
         workdir_lock.release(workdir, lock)
         raise
     if start is not None:
-        train_iter.set_state(data_state)
         logging.info("resumed from %s at step %d", workdir, start)
     start = start or 0
     if is_main:
@@ -94,9 +98,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
                  config.task, datasets.num_train_examples, datasets.num_eval_examples,
                  jax.device_count(), dp.mode, config.batch_size)
 
-    state = dp.replicate(state)
+    if dp.mode == "pmap":
+        state = dp.place_state(state)
     compiled_train_step = dp.compile_train_step(
-        functools.partial(task.train_step, config=config, model=model))
+        functools.partial(task.train_step, config=config, model=model),
+        dp.state_shardings(state) if dp.mode == "jit" else None)
     compiled_eval_step = dp.compile_eval_step(
         functools.partial(task.eval_step, config=config, model=model))
     batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
@@ -146,11 +152,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 writer.write(step, eval_metrics)
                 result.update(eval_metrics)
                 bar.write(report.format_table(step, eval_metrics))
-                ckpt.save_best(step, jax.device_get(dp.unreplicate(state)), eval_metrics)
+                ckpt.save_best(step, dp.checkpointable(state), eval_metrics)
             preempted = stop.requested(step)
             if step % config.checkpoint_every == 0 or step == num_steps or preempted:
                 check_pending_finite(step)
-                ckpt.save(step, jax.device_get(dp.unreplicate(state)), data_state)
+                ckpt.save(step, dp.checkpointable(state), data_state)
             result["step"] = step
             tick = time.perf_counter() if step % config.log_every == 0 else tick
             if preempted and step < num_steps:
@@ -161,7 +167,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             result.update(evaluate(task, dp, compiled_eval_step, state, datasets, config=config, model=model,
                                    workdir=workdir, step=start))
         if hasattr(task, "finalize"):
-            result.update(task.finalize(dp.unreplicate(state), result, config=config,
+            result.update(task.finalize(dp.to_host(state), result, config=config,
                                         model=model, workdir=workdir) or {})
     finally:
         stop.__exit__(None, None, None)

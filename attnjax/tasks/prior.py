@@ -156,7 +156,9 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
         codes.append(np.asarray(encode(padded))[:len(chunk)].reshape(len(chunk), -1))
     codes = np.concatenate(codes).astype(np.int32)
     os.makedirs(cache_dir, exist_ok=True)
-    partial = f"{path}.partial.npz"  # written whole, then renamed: a killed run leaves no bad cache
+    # Written whole, then renamed: a killed run leaves no bad cache; per process, because every
+    # process of a multi-process run encodes (and writes) the same split.
+    partial = f"{path}.{os.getpid()}.partial.npz"
     np.savez(partial, codes=codes, labels=labels, key=key)
     os.replace(partial, path)
     logging.info("prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path)
@@ -205,15 +207,15 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
         vqgan, split.train_split, shifts=config.data.get("train_shifts", 0), cache_dir=cache_dir)
     eval_codes, eval_labels = encode_split(vqgan, split.eval_split, cache_dir=cache_dir)
     _check_labels(config, train_labels, eval_labels)
-    batch = data.per_process_batch_size(config.batch_size, process_count)
     eval_batch = data.per_process_batch_size(
         config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size")
 
-    train = grain.MapDataset.source(_Records(train_codes, train_labels))[process_index::process_count]
-    if len(train) < batch:
+    train = grain.MapDataset.source(_Records(train_codes, train_labels))
+    if len(train) < config.batch_size:
         raise ValueError(f"config.batch_size={config.batch_size} is larger than the {len(train)} "
-                         "code sequences on this process.")
-    train = train.seed(config.seed).shuffle().repeat(None).batch(batch, drop_remainder=True)
+                         "code sequences.")
+    train = data.process_batches(train.seed(config.seed).shuffle().repeat(None), config.batch_size,
+                                 process_index, process_count)
 
     evaluation = data.padded_eval_dataset(_Records(eval_codes, eval_labels), eval_batch,
                                           process_index=process_index, process_count=process_count)

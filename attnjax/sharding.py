@@ -1,0 +1,144 @@
+"""Device meshes and partition rules: how a train state is laid out over devices, declared.
+
+A mesh is a config field, ``config.mesh = {"data": -1, "fsdp": 1}`` (axis name -> size; one
+size may be -1, "the devices left over"). Axes:
+
+* ``data``: the batch is split along it, parameters are replicated over it.
+* ``fsdp``: the batch is split along it too, and every array a rule marks ``FSDP`` is split
+  along its largest dimension that divides evenly (parameters, their optimiser moments and
+  their EMA alike), so each device holds ``1 / fsdp`` of them. XLA gathers a weight before
+  the layer that uses it and reduce-scatters its gradient.
+* ``model``: parameters only, through explicit ``PartitionSpec`` rules (tensor parallelism);
+  the batch is replicated over it.
+
+Partition rules (big_vision's style) are ``(regex, spec)`` pairs matched with ``re.search``
+against a leaf's "/"-joined path in the whole train state, the first match wins:
+``params/blocks_0/mlp/fc1/kernel`` and its Adam moment
+``opt_state/1/0/mu/blocks_0/mlp/fc1/kernel`` hit the same rule and get the same layout, so the
+optimiser state follows its parameter. ``spec`` is a ``PartitionSpec`` or ``FSDP``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "model")
+BATCH_AXES = ("data", "fsdp")
+FSDP = "fsdp"
+
+# Per task, the models its state holds: the ViT; the VQGAN autoencoder, its codebook,
+# PatchGAN discriminator and LPIPS constants; the GPT prior. As in PyTorch's FSDP, every array
+# is split (a 1-D bias too, when the axis divides it); scalars, step counters and
+# class-count-sized head biases (10, 1000: rarely divisible) stay whole.
+_WHOLE = (r"(^|/)(count|step|mini_step|gradient_step)$|(^|/)head/bias$", P())
+# The VQGAN's codebook and its usage statistics (1024 x 256 floats for ImageNet f16) stay
+# whole: with them split, the dead-code re-seeding's random picks came out differently from
+# the unsplit run's (XLA:CPU), and whole they cost 1 MiB.
+_CODEBOOK = (r"(^|/)vq_state/|(^|/)quantize/embedding$", P())
+RULES = {
+    "classification": (_WHOLE, (r".*", FSDP)),
+    "vqgan": (_WHOLE, _CODEBOOK, (r".*", FSDP)),
+    "prior": (_WHOLE, (r".*", FSDP)),
+}
+
+
+def make_mesh(mesh_config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """``{"data": -1, "fsdp": 2}`` -> a ``Mesh`` over ``devices`` (default: all of them)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if hasattr(mesh_config, "to_dict"):
+        mesh_config = mesh_config.to_dict()
+    sizes = dict(mesh_config or {"data": -1})
+    unknown = [name for name in sizes if name not in AXES]
+    if unknown:
+        raise ValueError(f"config.mesh has axis {unknown[0]!r}; expected axes among {AXES}.")
+    free = [name for name, size in sizes.items() if int(size) == -1]
+    if len(free) > 1:
+        raise ValueError(f"config.mesh={sizes} has {len(free)} axes of size -1; at most one may "
+                         f"take the devices left over.")
+    fixed = math.prod(int(size) for size in sizes.values() if int(size) != -1)
+    if free:
+        if fixed < 1 or len(devices) % fixed:
+            raise ValueError(f"config.mesh={sizes}: {len(devices)} devices do not split into "
+                             f"axes of sizes {fixed} x (-1).")
+        sizes[free[0]] = len(devices) // fixed
+    if math.prod(int(s) for s in sizes.values()) != len(devices):
+        raise ValueError(f"config.mesh={sizes} has {math.prod(sizes.values())} positions but "
+                         f"there are {len(devices)} devices.")
+    names = tuple(sizes)
+    shape = tuple(int(sizes[name]) for name in names)
+    return jax.make_mesh(shape, names, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def batch_spec(mesh: Mesh) -> P:
+    """Leading (batch) dimension split over every batch axis the mesh has."""
+    return P(tuple(name for name in BATCH_AXES if name in mesh.axis_names))
+
+
+def batch_size_divisor(mesh: Mesh) -> int:
+    """How many ways the batch is split: the product of the mesh's batch axes."""
+    return math.prod(mesh.shape[name] for name in BATCH_AXES if name in mesh.axis_names)
+
+
+def path_name(path) -> str:
+    """A tree path as "a/b/0/c" (dict keys, dataclass fields and sequence indices alike)."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+    return "/".join(parts)
+
+
+def fsdp_spec(shape: Sequence[int], mesh: Mesh) -> P:
+    """The largest dimension that ``mesh``'s fsdp axis divides, split along that axis."""
+    size = dict(mesh.shape).get(FSDP, 1)
+    if size == 1 or not shape:
+        return P()
+    candidates = [d for d in range(len(shape)) if shape[d] % size == 0]
+    if not candidates:
+        return P()
+    dim = max(candidates, key=lambda d: (shape[d], -d))
+    return P(*([None] * dim + [FSDP]))
+
+
+def leaf_spec(name: str, shape: Sequence[int], mesh: Mesh, rules) -> P:
+    for pattern, spec in rules:
+        if re.search(pattern, name):
+            if spec == FSDP:
+                return fsdp_spec(shape, mesh)
+            return spec
+    return P()
+
+
+def tree_shardings(tree, mesh: Mesh, rules):
+    """A ``NamedSharding`` per array leaf of ``tree`` (any pytree of arrays/shape structs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, leaf_spec(path_name(path), np.shape(x), mesh, rules)),
+        tree)
+
+
+def rules_for(config):
+    """``config.partition_rules`` (pairs of regex and ``"fsdp"`` or a tuple of axis names) if
+    set, else the task's entry of ``RULES`` (replicated everything if the task has none)."""
+    custom = config.get("partition_rules", None)
+    if custom:
+        return tuple((pattern, spec if spec == FSDP else P(*spec)) for pattern, spec in custom)
+    return RULES.get(config.get("task"), ((r".*", P()),))
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes of ``tree``'s arrays held by the first addressable device (shards are equal)."""
+    device = None
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shards = leaf.addressable_shards
+        device = shards[0].device if device is None else device
+        total += sum(s.data.nbytes for s in shards if s.device == device)
+    return total
