@@ -383,6 +383,7 @@ class VQGAN(nn.Module):
     dropout: float = 0.0
     beta: float = 0.25
     quantizer: Any = None
+    quantizer_factory: Any = None  # (n_embed, embed_dim, beta, **quantizer) -> module; default VectorQuantizer
 
     def setup(self):
         shared = dict(
@@ -397,7 +398,8 @@ class VQGAN(nn.Module):
         self.encoder = Encoder(in_channels=self.in_channels, double_z=self.double_z, **shared)
         self.decoder = Decoder(out_ch=self.out_ch, **shared)
         self.quant_conv = nn.Conv(self.embed_dim, (1, 1))
-        self.quantize = VectorQuantizer(self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {}))
+        factory = self.quantizer_factory or VectorQuantizer
+        self.quantize = factory(self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {}))
         self.post_quant_conv = nn.Conv(self.z_channels, (1, 1))
 
     @property

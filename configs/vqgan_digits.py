@@ -40,11 +40,15 @@ def get_config():
     config.model.embed_dim = 32
     config.model.beta = 0.25
     config.model.quantizer = ml_collections.ConfigDict(dict(
+        kind="vq",                        # or "fsq", "lfq", "simvq" (attnjax/quantizers.py)
+        rotation_trick=False,             # vq, simvq: rotate onto the code instead of copying
         legacy=False,
         l2_normalize=True,                # cosine codes: plain lookup uses ~30% of the codebook
         lookup_dim=0,                     # 0: look up in embed_dim
         ema_decay=0.0,                    # 0: codebook trained by gradient
         usage_decay=0.95,                 # per-code usage average read by the re-seeding
+        fsq_levels=(8, 4, 4),             # fsq: 8*4*4 = 128 codes
+        lfq_entropy_weight=0.1,           # lfq: 7 signs = 128 codes; MAGVIT-v2's entropy weight
     ))
     config.reseed_threshold = 0.03        # re-seed codes below 3% of a uniform share
 
