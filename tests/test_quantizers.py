@@ -182,7 +182,7 @@ SHARDED = textwrap.dedent("""
     z = jnp.asarray(np.random.default_rng(0).normal(size=(16, 2, 2, 12)).astype(np.float32))
     out = {}
     for kind in ("lfq", "simvq", "fsq"):
-        one = quantizers.make_quantizer(16, 12, kind=kind)
+        one = quantizers.make_quantizer(16, 12, kind=kind, fsq_levels=(4, 4))
         variables = one.init(jax.random.key(0), z)
         keys = ("loss", "perplexity", "codebook_usage") + (("batch_entropy", "per_sample_entropy") if kind == "lfq" else ())
         def stats(q, v, x):
@@ -197,7 +197,7 @@ SHARDED = textwrap.dedent("""
         jitted = jax.jit(lambda v, x: stats(one, v, x))(variables, sharded)
         jit_grad = jax.jit(jax.grad(loss))(variables, sharded)
         # pmap: each device sees 2 examples; the quantizer syncs its statistics over "data".
-        per_device = quantizers.make_quantizer(16, 12, kind=kind, axis_name="data")
+        per_device = quantizers.make_quantizer(16, 12, kind=kind, fsq_levels=(4, 4), axis_name="data")
         pmapped = jax.pmap(lambda x: stats(per_device, variables, x), axis_name="data")(z.reshape(8, 2, 2, 2, 12))
         out[kind] = {
             "jit": max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(ref))),
