@@ -10,8 +10,9 @@ the reconstructions of the 360 held-out digits and the prior's class-conditional
 table: held-out PSNR (pixels in [0, 1]), codebook usage and perplexity on the test split, ViT
 accuracy on reconstructions, the prior's held-out bits per token, the fraction of samples the
 ViT assigns to their conditioning class, and the training wall time of both stages (wall clock
-on a shared machine). Results: ``benchmarks/results/quantizers_digits.{json,md}``, rewritten
-after every row.
+on a shared machine). Each row's numbers are kept in ``<workdir>/<row>/result.json`` (reused when
+the step budget matches), so rows may run in separate processes at once; every process rewrites
+``benchmarks/results/quantizers_digits.{json,md}`` from all finished rows.
 """
 import argparse
 import json
@@ -78,6 +79,18 @@ def run_row(row, args, vit_config, predict):
     }
 
 
+def finished_rows(args) -> dict:
+    """Every row whose ``result.json`` was made with this step budget, in table order."""
+    rows = {}
+    for row in ROWS:
+        path = pathlib.Path(args.workdir) / row / "result.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            if (result["vqgan_steps"], result["prior_steps"]) == (args.vqgan_steps, args.prior_steps):
+                rows[row] = result
+    return rows
+
+
 def markdown(results) -> str:
     lines = [
         f"Digits, {results['vqgan_steps']} VQGAN steps and {results['prior_steps']} prior steps per row, "
@@ -120,14 +133,14 @@ def main():
                "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
                "rows": {}}
     json_path, md_path = RESULTS / "quantizers_digits.json", RESULTS / "quantizers_digits.md"
-    if json_path.exists():
-        previous = json.loads(json_path.read_text())
-        if (previous["vqgan_steps"], previous["prior_steps"]) == (args.vqgan_steps, args.prior_steps):
-            results["rows"] = previous["rows"]
     for row in rows:
-        start = time.perf_counter()
-        results["rows"][row] = run_row(row, args, vit_config, predict)
-        print(f"[{row}] done in {time.perf_counter() - start:.0f} s: {results['rows'][row]}", flush=True)
+        if row not in finished_rows(args):
+            start = time.perf_counter()
+            result = dict(run_row(row, args, vit_config, predict), vqgan_steps=args.vqgan_steps,
+                          prior_steps=args.prior_steps)
+            (pathlib.Path(args.workdir) / row / "result.json").write_text(json.dumps(result, indent=2))
+            print(f"[{row}] done in {time.perf_counter() - start:.0f} s: {result}", flush=True)
+        results["rows"] = finished_rows(args)
         json_path.write_text(json.dumps(results, indent=2))
         md_path.write_text(markdown(results))
     print(markdown(results))
