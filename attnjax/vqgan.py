@@ -390,6 +390,7 @@ class VQGAN(_DDConfig):
     dropout: float = 0.0
     beta: float = 0.25
     quantizer: Any = None
+    quantizer_factory: Any = None  # (n_embed, embed_dim, beta, **quantizer) -> module; default VectorQuantizer
 
     def setup(self):
         shared = {name: getattr(self, name) for name in _DDCONFIG_FIELDS}
@@ -399,7 +400,8 @@ class VQGAN(_DDConfig):
         self.encoder = Encoder(in_channels=self.in_channels, double_z=self.double_z, **shared)
         self.decoder = Decoder(out_ch=self.out_ch, **shared)
         self.quant_conv = nn.Conv(self.embed_dim, (1, 1))
-        self.quantize = VectorQuantizer(self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {}))
+        factory = self.quantizer_factory or VectorQuantizer
+        self.quantize = factory(self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {}))
         self.post_quant_conv = nn.Conv(self.z_channels, (1, 1))
 
     def encode(self, x: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:

@@ -17,8 +17,10 @@ Each step:
 3. dead-code re-seeding (``vqgan.reseed_dead_codes``) when ``config.reseed_threshold > 0``.
 
 Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, ``model.beta``,
-``model.quantizer`` (``legacy``, ``l2_normalize``, ``lookup_dim``, ``ema_decay``,
-``usage_decay``; 0 switches a numeric option off), ``reseed_threshold``, ``loss``
+``model.quantizer`` (``kind``: "vq", "fsq", "lfq" or "simvq", ``rotation_trick``, and the
+``attnjax.quantizers.make_quantizer`` options of each kind: ``legacy``, ``l2_normalize``,
+``lookup_dim``, ``ema_decay``, ``usage_decay``, ``fsq_levels``, ``lfq_*``; 0 switches a numeric
+option off), ``reseed_threshold`` (kind "vq" only), ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
 ``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
 ``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
@@ -46,7 +48,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax import lpips, vqgan, vqgan_loss
+from attnjax import lpips, quantizers, vqgan, vqgan_loss
 from attnjax.images import save_image_grid
 from attnjax.tasks import optim
 
@@ -75,9 +77,14 @@ def _quantizer_options(config) -> dict:
     return options
 
 
+def _reseeds(config) -> bool:
+    """Dead-code re-seeding applies to the learned codebook of kind "vq" only."""
+    return config.get("reseed_threshold", 0.0) > 0 and config.model.get("quantizer", {}).get("kind", "vq") == "vq"
+
+
 def create_model(config) -> dict:
     """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None, "lpips": LPIPS | None}``."""
-    if config.get("reseed_threshold", 0.0) > 0 and not config.model.get("quantizer", {}).get("usage_decay"):
+    if _reseeds(config) and not config.model.get("quantizer", {}).get("usage_decay"):
         raise ValueError("config.reseed_threshold > 0 needs config.model.quantizer.usage_decay > 0 "
                          "(re-seeding reads the tracked per-code usage)")
     autoencoder = create_autoencoder(config)
@@ -96,7 +103,8 @@ def create_model(config) -> dict:
 
 def create_autoencoder(config) -> vqgan.VQGAN:
     return vqgan.create_vqgan(config.model.ddconfig.to_dict(), config.model.n_embed, config.model.embed_dim,
-                              beta=config.model.get("beta", 0.25), quantizer=_quantizer_options(config))
+                              beta=config.model.get("beta", 0.25), quantizer=_quantizer_options(config),
+                              quantizer_factory=quantizers.make_quantizer)
 
 
 def inference_model(config, variables):
@@ -189,7 +197,7 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
             state, params, x, jax.lax.stop_gradient(rec), disc, disc_tx, loss_config, axis_name)
         metrics.update(disc_metrics)
 
-    if config.get("reseed_threshold", 0.0) > 0:
+    if _reseeds(config):
         # The same key on every device: the reseeded codebook must stay replicated.
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1), step)
         autoencoder_params, vq_state, reseeded = vqgan.reseed_dead_codes(
