@@ -22,6 +22,7 @@ from typing import Any
 
 import flax
 import jax
+import jax.numpy as jnp
 import optax
 
 from attnjax import nonfinite
