@@ -1,39 +1,27 @@
 """attnjax.lpips against the ``lpips`` package (0.1.4): a random VGG16 trunk (no download) and
 the linear-layer weights the package ships, converted by attnjax.convert.lpips."""
 import jax.numpy as jnp
-import lpips as torch_lpips
 import numpy as np
 import pytest
-import torch
-from conftest import assert_close
+from conftest import assert_close, lpips_distance
 
 from attnjax.convert.lpips import lpips_from_torch
 
 
-@pytest.fixture(scope="module")
-def reference():
-    torch.manual_seed(0)
-    return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
-
-
-def _nchw(x):
-    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
-
-
-def test_lpips_matches_the_lpips_package(reference):
+def test_lpips_matches_the_lpips_package(lpips_reference):
+    reference = lpips_reference
     rng = np.random.default_rng(0)
     a = rng.uniform(-1, 1, (3, 32, 32, 3)).astype(np.float32)
     b = np.clip(a + rng.normal(0, 0.3, a.shape), -1, 1).astype(np.float32)
-    with torch.no_grad():
-        expected = reference(_nchw(a), _nchw(b)).numpy().reshape(-1)
+    expected = lpips_distance(reference, a, b)
     model, variables = lpips_from_torch(reference.state_dict())
     ours = model.apply(variables, jnp.asarray(a), jnp.asarray(b))
     assert_close(ours, expected, what="LPIPS distance")
     assert_close(model.apply(variables, jnp.asarray(a), jnp.asarray(a)), np.zeros(3), what="LPIPS(x, x)")
 
 
-def test_bad_inputs_raise(reference):
-    model, variables = lpips_from_torch(reference.state_dict())
+def test_bad_inputs_raise(lpips_reference):
+    model, variables = lpips_from_torch(lpips_reference.state_dict())
     with pytest.raises(ValueError, match="at least 16x16"):
         model.apply(variables, jnp.zeros((1, 8, 8, 3)), jnp.zeros((1, 8, 8, 3)))
     with pytest.raises(ValueError, match="height, width, 3"):

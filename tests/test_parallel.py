@@ -33,8 +33,10 @@ def tiny_config(data_dir, parallel_mode="jit"):
 
 
 def jit_steps(config):
-    """The loop's first ``num_train_steps`` steps with ``DataParallel("jit")`` (no eval/io)."""
-    dp = parallel.DataParallel("jit", config.batch_size, config.eval_batch_size)
+    """The loop's first ``num_train_steps`` steps with ``DataParallel("jit")`` on ``config.mesh``
+    (no eval/io) -> ``(state, dp)``, the state laid out on the mesh."""
+    dp = parallel.DataParallel("jit", config.batch_size, config.eval_batch_size,
+                               mesh=config.get("mesh"), rules=sharding.rules_for(config))
     model = classification.create_model(config)
     ds = data.make_datasets(config)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -46,7 +48,7 @@ def jit_steps(config):
     batches = data.make_iterator(ds.train)
     for i in range(config.num_train_steps):
         state, _ = step(state, dp.shard_batch(next(batches)), jax.random.fold_in(train_rng, i))
-    return jax.device_get(state.params)
+    return state, dp
 
 
 EIGHT_DEVICES = textwrap.dedent("""
@@ -64,7 +66,7 @@ EIGHT_DEVICES = textwrap.dedent("""
     metrics = train_and_evaluate(tiny_config({data_dir!r}, "pmap"), workdir)
     out["pmap"] = {{k: v for k, v in metrics.items() if k.startswith(("eval/", "train/"))}}
     for mode, params in (("pmap", checkpoint.load(workdir)[1]),
-                         ("jit", jit_steps(tiny_config({data_dir!r})))):
+                         ("jit", jax.device_get(jit_steps(tiny_config({data_dir!r}))[0].params))):
         flat = flax.traverse_util.flatten_dict(params, sep="/")
         np.savez(os.path.join({tmp!r}, mode + ".npz"), **flat)
     try:

@@ -1,5 +1,4 @@
 """attnjax/sharding.py: FSDP equals data parallelism; checkpoints restore across meshes."""
-import functools
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import assert_close
 from test_data import ROOT, load_config
+from test_parallel import jit_steps
 
 from attnjax import checkpoint, data, parallel, sharding
 from attnjax.tasks import classification
@@ -35,19 +35,7 @@ def fsdp_config(data_dir, mesh, steps=3):
 def train_steps(config):
     """``num_train_steps`` steps on ``config.mesh`` -> (flat host params, bytes per device of
     params + optimiser state, the same state's bytes if every device held all of it)."""
-    dp = parallel.DataParallel("jit", config.batch_size, config.eval_batch_size,
-                               mesh=config.mesh, rules=sharding.rules_for(config))
-    model = classification.create_model(config)
-    datasets = data.make_datasets(config)
-    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    state = classification.create_train_state(init_rng, config, model,
-                                              next(data.make_iterator(datasets.train)))
-    state = dp.place_state(state)
-    step = dp.compile_train_step(functools.partial(classification.train_step, config=config,
-                                                   model=model), dp.state_shardings(state))
-    batches = data.make_iterator(datasets.train)
-    for i in range(config.num_train_steps):
-        state, _ = step(state, dp.shard_batch(next(batches)), jax.random.fold_in(train_rng, i))
+    state, dp = jit_steps(config)
     held = (state.params, state.opt_state)
     whole = sum(x.nbytes for x in jax.tree.leaves(held))
     params = flax.traverse_util.flatten_dict(dp.to_host(state.params), sep="/")

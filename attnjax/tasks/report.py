@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 
-from absl import logging
+from attnjax import images
 
 
 class MetricWriter:
@@ -91,38 +90,4 @@ def format_table(step: int, metrics: dict) -> str:
 
 def plot_curves(workdir: str) -> str | None:
     """``curves.png``: one panel per metric name (train and eval share a panel) vs step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[str, dict[str, dict[int, float]]] = {}
-    for record in read_metrics(workdir):
-        for key, value in record.items():
-            if "/" not in key:
-                continue
-            split, name = key.split("/", 1)
-            series.setdefault(name, {}).setdefault(split, {})[record["step"]] = value
-    if not series:
-        return None
-    names = sorted(series)
-    cols = min(3, len(names))
-    rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        for split, points in sorted(series[name].items()):
-            steps = sorted(points)
-            ax.plot(steps, [points[s] for s in steps], marker="o" if split == "eval" else None,
-                    markersize=3, label=split)
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    fig.tight_layout()
-    path = os.path.join(workdir, "curves.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    logging.info("wrote %s", path)
-    return path
+    return images.plot_curves(read_metrics(workdir), os.path.join(workdir, "curves.png"))

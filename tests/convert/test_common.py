@@ -6,7 +6,7 @@ import flax.linen as nn
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, write_pickle_that_runs_code
 from safetensors.torch import save_file
 
 from attnjax.convert import common
@@ -87,15 +87,8 @@ def test_load_state_dict_sources(tmp_path):
         common.linear({}, "fc")
 
 
-class _NotWeights:
-    def __reduce__(self):
-        return (print, ("arbitrary code ran",))
-
-
 def test_checkpoint_with_code_is_refused(tmp_path):
-    path = tmp_path / "bad.pth"
-    with open(path, "wb") as f:
-        torch.save({"state_dict": _NotWeights()}, f)
+    path = write_pickle_that_runs_code(tmp_path / "bad.pth")
     with pytest.raises(pickle.UnpicklingError):
         common.load_state_dict(path)
 

@@ -13,28 +13,13 @@ import pytest
 import safetensors.torch
 import torch
 import torchvision
-from conftest import assert_close
+from conftest import assert_close, lpips_distance
 
 from attnjax import lpips
 from attnjax.convert.lpips import lpips_from_torch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED_LINEAR = os.path.join(os.path.dirname(torch_lpips.__file__), "weights", "v0.1", "vgg.pth")
-
-
-@pytest.fixture(scope="module")
-def reference():
-    torch.manual_seed(0)
-    return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
-
-
-def _nchw(x):
-    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
-
-
-def _torch_distance(reference, a, b):
-    with torch.no_grad():
-        return reference(_nchw(a), _nchw(b)).numpy().reshape(-1)
 
 
 def _image_pair(seed, size=16):
@@ -51,8 +36,9 @@ def _torchvision_trunk(reference) -> dict:
     }
 
 
-def test_converter_reads_torchvision_vgg16_and_shipped_linear_weights(reference):
+def test_converter_reads_torchvision_vgg16_and_shipped_linear_weights(lpips_reference):
     """The documented path: torchvision's vgg16 state dict + lpips/weights/v0.1/vgg.pth."""
+    reference = lpips_reference
     with torch.device("meta"):  # key names only: the download's structure without its memory
         vgg = torchvision.models.vgg16()
     trunk = _torchvision_trunk(reference)
@@ -60,13 +46,14 @@ def test_converter_reads_torchvision_vgg16_and_shipped_linear_weights(reference)
     classifier = {k: torch.zeros(1) for k in vgg.state_dict() if k.startswith("classifier.")}
     model, variables = lpips_from_torch({**trunk, **classifier}, SHIPPED_LINEAR)
     a, b = _image_pair(1)
-    assert_close(model.apply(variables, jnp.asarray(a), jnp.asarray(b)), _torch_distance(reference, a, b),
+    assert_close(model.apply(variables, jnp.asarray(a), jnp.asarray(b)), lpips_distance(reference, a, b),
                  what="LPIPS via torchvision keys")
     _, from_whole = lpips_from_torch(reference.state_dict())
     chex.assert_trees_all_close(variables, from_whole, rtol=0, atol=0)
 
 
-def test_missing_parts_raise(reference):
+def test_missing_parts_raise(lpips_reference):
+    reference = lpips_reference
     with pytest.raises(KeyError, match="13 VGG16 convs"):
         lpips_from_torch({"features.0.weight": np.zeros((64, 3, 3, 3))})
     with pytest.raises(KeyError, match="no 'lin0.model.1.weight'"):
@@ -82,7 +69,8 @@ def _convert(*args):
     )
 
 
-def test_command_line_round_trip(tmp_path, reference):
+def test_command_line_round_trip(tmp_path, lpips_reference):
+    reference = lpips_reference
     vgg_path = tmp_path / "vgg16.safetensors"
     safetensors.torch.save_file(_torchvision_trunk(reference), str(vgg_path))
     out = tmp_path / "lpips_vgg.npz"
@@ -90,7 +78,7 @@ def test_command_line_round_trip(tmp_path, reference):
     assert result.returncode == 0, result.stderr
     variables = lpips.load_variables(out)
     a, b = _image_pair(2)
-    assert_close(lpips.LPIPS().apply(variables, jnp.asarray(a), jnp.asarray(b)), _torch_distance(reference, a, b),
+    assert_close(lpips.LPIPS().apply(variables, jnp.asarray(a), jnp.asarray(b)), lpips_distance(reference, a, b),
                  rtol=1e-5, what="LPIPS from the converted file")
 
     whole = tmp_path / "lpips_whole.pth"
@@ -102,7 +90,8 @@ def test_command_line_round_trip(tmp_path, reference):
     chex.assert_trees_all_close(lpips.load_variables(out), variables, rtol=0, atol=0)
 
 
-def test_command_line_bad_inputs_leave_nothing_behind(tmp_path, reference):
+def test_command_line_bad_inputs_leave_nothing_behind(tmp_path, lpips_reference):
+    reference = lpips_reference
     out = tmp_path / "out.npz"
     missing = _convert(tmp_path / "missing.pth", SHIPPED_LINEAR, out)
     assert missing.returncode == 2 and "no weights file at" in missing.stderr and missing.stderr.count("\n") == 1

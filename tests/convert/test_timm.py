@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import timm
 import torch
-from conftest import assert_close
+from conftest import assert_close, write_pickle_that_runs_code
 from timm.models import vision_transformer as timm_vit
 
 from attnjax import vit
@@ -106,15 +106,8 @@ def test_state_dict_files(tmp_path, fmt):
     assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"{fmt} logits")
 
 
-class _NotWeights:
-    def __reduce__(self):
-        return (print, ("arbitrary code ran",))
-
-
 def test_checkpoint_with_code_is_refused(tmp_path):
-    path = tmp_path / "bad.pth"
-    with open(path, "wb") as f:
-        torch.save({"state_dict": _NotWeights()}, f)
+    path = write_pickle_that_runs_code(tmp_path / "bad.pth")
     with pytest.raises(pickle.UnpicklingError):
         vit_from_timm(path, num_heads=3)
 
