@@ -1,0 +1,1 @@
+"""Weight conversion between PyTorch and attnjax; the only package of attnjax that touches torch."""
