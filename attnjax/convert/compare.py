@@ -39,6 +39,7 @@ class _Pairing:
     torch_name: Callable[[tuple], str]
     torch_inputs: Callable[[Any], Any]
     torch_activation: Callable[[np.ndarray, str], np.ndarray]
+    packed_qkv: bool = False  # torch packs q|k|v in one Linear where Flax has three Denses
 
 
 def _numbered(part: str) -> str:
@@ -84,7 +85,7 @@ def _pairing(flax_module) -> _Pairing:
     as_is = lambda array, name: array  # noqa: E731
     if kind == "ViT":
         renames = _table_renames(torch_interop._TIMM_VIT_BLOCK_TABLE)
-        return _Pairing(_renamer(renames), _nchw, as_is)
+        return _Pairing(_renamer(renames), _nchw, as_is, packed_qkv=True)
     if kind == "VQGAN":
         return _Pairing(taming_export.taming_name, _nchw, _channels_last)
     if kind == "GPT":
@@ -160,6 +161,15 @@ def _flax_activations(flax_module, variables, inputs) -> dict[tuple, np.ndarray]
     return activations
 
 
+def _add_packed_qkv(ours: dict[str, np.ndarray]) -> None:
+    """``X.attn.query|key|value`` outputs -> ``X.attn.qkv``, the packed Linear's output in timm."""
+    for name in [n for n in ours if n.endswith(".attn.query")]:
+        base = name[: -len(".query")]
+        parts = [ours.get(f"{base}.{part}") for part in ("query", "key", "value")]
+        if all(part is not None for part in parts):
+            ours[f"{base}.qkv"] = np.concatenate(parts, axis=-1)
+
+
 def compare_layers(torch_model, flax_module, variables, inputs, tolerance: float = 1e-5) -> list[Row]:
     """Run both models on ``inputs`` and compare every layer the two have in common.
 
@@ -179,6 +189,8 @@ def compare_layers(torch_model, flax_module, variables, inputs, tolerance: float
     pairing = _pairing(flax_module)
     theirs = _torch_activations(torch_model, [pairing.torch_inputs(x) for x in inputs])
     ours = {pairing.torch_name(path): value for path, value in _flax_activations(flax_module, variables, inputs).items()}
+    if pairing.packed_qkv:
+        _add_packed_qkv(ours)
     rows = []
     for name, reference in theirs.items():
         if name not in ours:
