@@ -256,13 +256,21 @@ def _taming_vq_parts(ddconfig, n_embed: int, embed_dim: int):
 
 
 def _load_weights(torch_model, checkpoint) -> None:
+    """Load ``checkpoint`` into ``torch_model``; a Lightning ``model.`` or a Net2NetTransformer
+    ``transformer.`` prefix is dropped, and extra keys (``loss.*``) are ignored."""
     import torch
 
-    if checkpoint:
-        state = torch_interop.load_state_dict(checkpoint)
-        state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-        own = torch_model.state_dict()
-        torch_model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items() if k in own}, strict=False)
+    if not checkpoint:
+        return
+    state = torch_interop.load_state_dict(checkpoint)
+    own = torch_model.state_dict()
+    for prefix in ("model.", "transformer."):
+        if not any(key in own for key in state) and any(key.startswith(prefix) for key in state):
+            state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ValueError(f"compare: checkpoint {str(checkpoint)!r} lacks {len(missing)} keys of the model, e.g. {missing[:4]}")
+    torch_model.load_state_dict({k: torch.from_numpy(np.array(state[k])) for k in own}, strict=True)
 
 
 def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int = 0):
