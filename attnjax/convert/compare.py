@@ -269,7 +269,10 @@ def _load_weights(torch_model, checkpoint) -> None:
             state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     missing = sorted(set(own) - set(state))
     if missing:
-        raise ValueError(f"compare: checkpoint {str(checkpoint)!r} lacks {len(missing)} keys of the model, e.g. {missing[:4]}")
+        raise ValueError(
+            f"compare: checkpoint {str(checkpoint)!r} lacks {len(missing)} keys of the model, "
+            f"e.g. {missing[:4]}"
+        )
     torch_model.load_state_dict({k: torch.from_numpy(np.array(state[k])) for k in own}, strict=True)
 
 

@@ -10,17 +10,17 @@ from conftest import assert_close
 
 from attnjax.convert.torch_nn_transformer import transformer_from_torch, transformer_masks_from_torch
 
-# kind, layer hyper-parameters, final norm, masks. "causal" is how the causal mask is given:
-# torch's boolean or float mask (with the is_causal hint), or attnjax's is_causal flag.
+# One row per case: kind, norm_first, activation, bias, batch_first, final norm, padding mask,
+# causal mask as torch's boolean or float mask (with the is_causal hint) or attnjax's is_causal flag.
 CASES = [
-    ("TransformerEncoderLayer", dict(norm_first=False, activation="relu", bias=True, batch_first=True), False, dict(padding=True, causal=None)),
-    ("TransformerEncoderLayer", dict(norm_first=True, activation="gelu", bias=False, batch_first=False), False, dict(padding=False, causal="bool")),
-    ("TransformerEncoder", dict(norm_first=False, activation="gelu", bias=True, batch_first=True), True, dict(padding=True, causal="flag")),
-    ("TransformerEncoder", dict(norm_first=True, activation="relu", bias=True, batch_first=False), False, dict(padding=True, causal="float")),
-    ("TransformerDecoderLayer", dict(norm_first=False, activation="relu", bias=True, batch_first=True), False, dict(padding=True, causal="bool")),
-    ("TransformerDecoder", dict(norm_first=True, activation="gelu", bias=False, batch_first=True), True, dict(padding=False, causal="flag")),
-    ("Transformer", dict(norm_first=False, activation="relu", bias=True, batch_first=True), True, dict(padding=True, causal="float")),
-    ("Transformer", dict(norm_first=True, activation="gelu", bias=False, batch_first=False), True, dict(padding=True, causal="flag")),
+    ("TransformerEncoderLayer", False, "relu", True, True, False, True, None),
+    ("TransformerEncoderLayer", True, "gelu", False, False, False, False, "bool"),
+    ("TransformerEncoder", False, "gelu", True, True, True, True, "flag"),
+    ("TransformerEncoder", True, "relu", True, False, False, True, "float"),
+    ("TransformerDecoderLayer", False, "relu", True, True, False, True, "bool"),
+    ("TransformerDecoder", True, "gelu", False, True, True, False, "flag"),
+    ("Transformer", False, "relu", True, True, True, True, "float"),
+    ("Transformer", True, "gelu", False, False, True, True, "flag"),
 ]
 ENCODER_KINDS = ("TransformerEncoderLayer", "TransformerEncoder")
 
@@ -102,11 +102,12 @@ def _layout(array, batch_first):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_outputs_and_gradients_equal_torch(case):
-    kind, layer_kwargs, final_norm, masks = CASES[case]
+    kind, norm_first, activation, bias, batch_first, final_norm, padding, causal = CASES[case]
+    layer_kwargs = dict(norm_first=norm_first, activation=activation, bias=bias, batch_first=batch_first)
+    masks = dict(padding=padding, causal=causal)
     rng = np.random.default_rng(case)
     module = _build_torch(kind, layer_kwargs, final_norm, rng)
     flax_module, variables = transformer_from_torch(module)
-    batch_first = layer_kwargs["batch_first"]
     assert type(flax_module).__name__ == kind and flax_module.batch_first == batch_first
     arrays, torch_kwargs, ours, valid = _inputs(module, kind, masks, rng)
     arrays = {name: _layout(a, batch_first) for name, a in arrays.items()}
