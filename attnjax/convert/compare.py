@@ -80,16 +80,19 @@ def _as_tensor(x):
     return torch.from_numpy(np.array(x))
 
 
+def _unchanged(array: np.ndarray, _: str) -> np.ndarray:
+    return array
+
+
 def _pairing(flax_module) -> _Pairing:
     kind = type(flax_module).__name__
-    as_is = lambda array, name: array  # noqa: E731
     if kind == "ViT":
         renames = _table_renames(torch_interop._TIMM_VIT_BLOCK_TABLE)
-        return _Pairing(_renamer(renames), _nchw, as_is, packed_qkv=True)
+        return _Pairing(_renamer(renames), _nchw, _unchanged, packed_qkv=True)
     if kind == "VQGAN":
         return _Pairing(taming_export.taming_name, _nchw, _channels_last)
     if kind == "GPT":
-        return _Pairing(_renamer(_table_renames(torch_interop._GPT_BLOCK_TABLE)), _as_tensor, as_is)
+        return _Pairing(_renamer(_table_renames(torch_interop._GPT_BLOCK_TABLE)), _as_tensor, _unchanged)
     if kind in torch_nn_transformer._KINDS:
         renames = {"self_attn.out": "self_attn.out_proj", "multihead_attn.out": "multihead_attn.out_proj"}
 
