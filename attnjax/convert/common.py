@@ -34,13 +34,17 @@ KeyTable = Sequence[tuple[str, str, Callable]]
 
 
 def to_numpy(value) -> np.ndarray:
-    """A torch tensor (any device, with or without grad) or array-like -> float32/int numpy array."""
+    """A torch tensor (any device, with or without grad) or array-like -> float32/int numpy array.
+
+    Always a copy: ``Tensor.numpy()`` shares the tensor's memory, so without one an in-place update
+    of the PyTorch parameter (an optimizer step) would silently change the converted weights too.
+    """
     if hasattr(value, "detach"):
         value = value.detach().cpu()
         if value.dtype.is_floating_point:
             value = value.float()
         value = value.numpy()
-    return np.asarray(value)
+    return np.array(value, copy=True)
 
 
 def load_state_dict(source) -> dict[str, np.ndarray]:

@@ -141,3 +141,13 @@ def test_apply_key_table_refuses_keys_it_did_not_convert():
     state["layers.0.gate.weight"] = torch.zeros(4)
     with pytest.raises(ValueError, match=r"\['layers.0.gate.weight'\]"):
         common.apply_key_table(state, TABLE, "toy", skip=r"num_batches_tracked$")
+
+
+def test_to_numpy_copies_so_later_torch_updates_do_not_reach_converted_weights():
+    layer = torch.nn.Linear(3, 2)
+    params = common.linear(layer.state_dict(), "")
+    before = params["kernel"].copy()
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an optimizer step on the PyTorch side, after conversion
+    np.testing.assert_array_equal(params["kernel"], before)
+    assert common.to_numpy(np.ones(2)).base is None
