@@ -16,7 +16,7 @@ Shapes: ``src`` ``[batch, S, d_model]``, ``tgt`` ``[batch, T, d_model]``, ``memo
 ``[batch, S, d_model]``; with ``batch_first=False`` (torch's default layout) they are
 ``[S, batch, d_model]`` etc. and the outputs follow the inputs. Masks use attnjax's convention,
 whatever the layout: boolean True = may attend (float masks are added to the scores),
-broadcastable to ``[batch, heads, L, S]``; ``convert.torch_nn_transformer.transformer_masks_from_torch``
+broadcastable to ``[batch, heads, L, S]``; ``convert.torch_nn.transformer_masks_from_torch``
 translates torch's masks. Dropout (rng collection ``"dropout"``) runs when ``deterministic=False``.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_close
 
-from attnjax.convert.torch_nn_transformer import transformer_from_torch, transformer_masks_from_torch
+from attnjax.convert.torch_nn import transformer_from_torch, transformer_masks_from_torch
 
 # One row per case: kind, norm_first, activation, bias, batch_first, final norm, padding mask,
 # causal mask as torch's boolean or float mask (with the is_causal hint) or attnjax's is_causal flag.
