@@ -16,13 +16,13 @@ taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family / ``att
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from attnjax import torch_interop
-from attnjax.convert import taming_export, torch_nn_transformer
+from attnjax.convert import common, taming, timm, torch_nn
 
 
 class Row(NamedTuple):
@@ -36,7 +36,7 @@ class Row(NamedTuple):
 class _Pairing:
     """How one model family's Flax paths, inputs and activations line up with PyTorch's."""
 
-    torch_name: Callable[[tuple], str]
+    torch_names: Callable[[list[tuple]], dict[tuple, str]]
     torch_inputs: Callable[[Any], Any]
     torch_activation: Callable[[np.ndarray, str], np.ndarray]
     packed_qkv: bool = False  # torch packs q|k|v in one Linear where Flax has three Denses
@@ -47,21 +47,46 @@ def _numbered(part: str) -> str:
     return re.sub(r"^(blocks|layers)_(\d+)$", r"\1.\2", part)
 
 
-def _renamer(renames: dict[str, str]) -> Callable[[tuple], str]:
-    """Flax path -> torch name: numbered lists, then the table's ``flax.path -> torch.name`` suffixes."""
+def _numbered_path(path: tuple) -> str:
+    return ".".join(_numbered(part) for part in path)
+
+
+def _renamer(renames: dict[str, str]) -> Callable[[list[tuple]], dict[tuple, str]]:
+    """Flax paths -> torch names: numbered lists, then ``flax.suffix -> torch.suffix`` renames."""
 
     def torch_name(path: tuple) -> str:
-        name = ".".join(_numbered(part) for part in path)
+        name = _numbered_path(path)
         for flax_suffix, torch_suffix in renames.items():
             if name == flax_suffix or name.endswith("." + flax_suffix):
                 return name[: len(name) - len(flax_suffix)] + torch_suffix
         return name
 
-    return torch_name
+    return lambda paths: {path: torch_name(path) for path in paths}
 
 
-def _table_renames(table) -> dict[str, str]:
-    return {".".join(path): torch_name for torch_name, path, _ in table if ".".join(path) != torch_name}
+def _table_names(table, structural=()) -> Callable[[list[tuple]], dict[tuple, str]]:
+    """Flax paths -> torch names from the importer's key table read backwards.
+
+    A module a row names gets that row's torch name; its parents inherit it for as long as the two
+    names end alike (``blocks_1/attn`` is ``blocks.1.attn`` because ``blocks_1/attn/value`` is
+    ``blocks.1.attn.value``); the rest are numbered lists. Rows whose ``structural`` converter maps
+    one torch module to a differently shaped Flax one (a Conv2d patch embedding read as a Dense,
+    a packed q|k|v Linear split in three) are left out: their outputs do not compare.
+    """
+    rows = common.reversed_table([row for row in table if row[2] not in structural], "compare")
+
+    def torch_names(paths: list[tuple]) -> dict[tuple, str]:
+        names: dict[tuple, str] = {}
+        for path in paths:
+            found = common.torch_module_name(rows, path)
+            name = found[0] if found else None
+            while name is not None and path and path not in names:
+                names[path] = name
+                suffix = "." + _numbered(path[-1])
+                path, name = path[:-1], name[: -len(suffix)] if name.endswith(suffix) else None
+        return {path: names.get(path, _numbered_path(path)) for path in paths}
+
+    return torch_names
 
 
 def _nchw(x):
@@ -87,13 +112,13 @@ def _unchanged(array: np.ndarray, _: str) -> np.ndarray:
 def _pairing(flax_module) -> _Pairing:
     kind = type(flax_module).__name__
     if kind == "ViT":
-        renames = _table_renames(torch_interop._TIMM_VIT_BLOCK_TABLE)
-        return _Pairing(_renamer(renames), _nchw, _unchanged, packed_qkv=True)
+        names = _table_names(timm.TIMM_VIT_TABLE, structural=(timm.packed_qkv, timm.conv_patch_embedding))
+        return _Pairing(names, _nchw, _unchanged, packed_qkv=True)
     if kind == "VQGAN":
-        return _Pairing(taming_export.taming_name, _nchw, _channels_last)
+        return _Pairing(_table_names(taming.VQMODEL_TABLE), _nchw, _channels_last)
     if kind == "GPT":
-        return _Pairing(_renamer(_table_renames(torch_interop._GPT_BLOCK_TABLE)), _as_tensor, _unchanged)
-    if kind in torch_nn_transformer._KINDS:
+        return _Pairing(_table_names(taming.GPT_TABLE), _as_tensor, _unchanged)
+    if kind in torch_nn.TRANSFORMER_KINDS:
         renames = {"self_attn.out": "self_attn.out_proj", "multihead_attn.out": "multihead_attn.out_proj"}
 
         def layout(array: np.ndarray, name: str) -> np.ndarray:
@@ -103,7 +128,7 @@ def _pairing(flax_module) -> _Pairing:
         return _Pairing(_renamer(renames), _as_tensor, layout)
     raise ValueError(
         f"compare_layers: no layer pairing for {kind}; expected ViT, VQGAN, GPT or a "
-        f"transformer module ({', '.join(torch_nn_transformer._KINDS)})"
+        f"transformer module ({', '.join(torch_nn.TRANSFORMER_KINDS)})"
     )
 
 
@@ -127,7 +152,7 @@ def _torch_activations(torch_model, inputs) -> dict[str, np.ndarray]:
             output = _first_array(output)
             if isinstance(output, torch.Tensor) and output.is_floating_point():
                 activations.pop(name, None)  # a module called again: keep its last call, in order
-                activations[name] = torch_interop.to_numpy(output)
+                activations[name] = common.to_numpy(output)
 
         return hook
 
@@ -191,7 +216,9 @@ def compare_layers(torch_model, flax_module, variables, inputs, tolerance: float
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     pairing = _pairing(flax_module)
     theirs = _torch_activations(torch_model, [pairing.torch_inputs(x) for x in inputs])
-    ours = {pairing.torch_name(path): value for path, value in _flax_activations(flax_module, variables, inputs).items()}
+    flax_activations = _flax_activations(flax_module, variables, inputs)
+    names = pairing.torch_names(list(flax_activations))
+    ours = {names[path]: value for path, value in flax_activations.items()}
     if pairing.packed_qkv:
         _add_packed_qkv(ours)
     rows = []
@@ -265,7 +292,7 @@ def _load_weights(torch_model, checkpoint) -> None:
 
     if not checkpoint:
         return
-    state = torch_interop.load_state_dict(checkpoint)
+    state = common.load_state_dict(checkpoint)
     own = torch_model.state_dict()
     for prefix in ("model.", "transformer."):
         if not any(key in own for key in state) and any(key.startswith(prefix) for key in state):
@@ -279,6 +306,42 @@ def _load_weights(torch_model, checkpoint) -> None:
     torch_model.load_state_dict({k: torch.from_numpy(np.array(state[k])) for k in own}, strict=True)
 
 
+def _make_torchvision_importable() -> None:
+    """Let timm's ``import torchvision`` work next to a CPU-only torch.
+
+    PyPI's torchvision is a CUDA build whose compiled extension does not load against CPU torch;
+    its Python side then fails on the ``nms``/``qnms`` operators only that extension defines.
+    Declaring the two schemas (no kernels) is enough for ViTs, which never call them. Done here,
+    on demand, so that importing attnjax never touches torch's operator registry.
+    """
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None or _TORCHVISION_SCHEMAS:
+        return
+    extension = next(pathlib.Path(spec.origin).parent.glob("_C*.so"), None)
+    if extension is not None:
+        try:
+            torch.ops.load_library(str(extension))
+            return
+        except OSError:
+            pass
+    if hasattr(torch.ops.torchvision, "nms"):  # declared already, e.g. by the test setup
+        return
+    library = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in (
+        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    ):
+        library.define(schema)
+    _TORCHVISION_SCHEMAS.append(library)  # a Library undoes its definitions when collected
+
+
+_TORCHVISION_SCHEMAS: list = []
+
+
 def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int = 0):
     """``--model`` -> (torch model, flax module, variables, inputs in attnjax's layout)."""
     import torch
@@ -286,46 +349,46 @@ def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int =
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if model.startswith("timm:"):
-        torch_interop.ensure_torchvision_importable()
-        import timm
+        _make_torchvision_importable()
+        import timm as timm_library
 
-        torch_model = timm.create_model(model[len("timm:"):], pretrained=False)
+        torch_model = timm_library.create_model(model[len("timm:"):], pretrained=False)
         _load_weights(torch_model, checkpoint)
-        flax_module, variables = torch_interop.vit_from_timm(torch_model)
+        flax_module, variables = timm.vit_from_timm(torch_model)
         height, width = torch_model.patch_embed.img_size
         inputs = rng.standard_normal((1, height, width, flax_module.in_channels)).astype(np.float32)
     elif model == "taming-gpt":
         from taming.modules.transformer import mingpt
 
         if checkpoint:
-            flax_module, variables = torch_interop.gpt_from_taming(checkpoint, n_head=n_head)
+            flax_module, variables = taming.gpt_from_taming(checkpoint, n_head=n_head)
             m = flax_module
             torch_model = mingpt.GPT(m.vocab_size, m.block_size, n_layer=m.n_layer, n_head=n_head, n_embd=m.n_embd)
             _load_weights(torch_model, checkpoint)
         else:
             torch_model = mingpt.GPT(64, 16, n_layer=2, n_head=n_head, n_embd=8 * n_head)
-            flax_module, variables = torch_interop.gpt_from_taming(torch_model.state_dict(), n_head=n_head)
+            flax_module, variables = taming.gpt_from_taming(torch_model.state_dict(), n_head=n_head)
         inputs = rng.integers(0, flax_module.vocab_size, (1, flax_module.block_size))
     elif model == "taming-vqgan":
         params = _taming_config(config)
         torch_model = _taming_vq_parts(params["ddconfig"], params["n_embed"], params["embed_dim"])
         _load_weights(torch_model, checkpoint)
-        flax_module, variables = torch_interop.vqgan_from_taming(
+        flax_module, variables = taming.vqgan_from_taming(
             torch_model.state_dict(), params["ddconfig"], params["n_embed"], params["embed_dim"]
         )
         size, channels = params["ddconfig"]["resolution"], params["ddconfig"]["in_channels"]
         inputs = rng.uniform(-1, 1, (1, size, size, channels)).astype(np.float32)
-    elif model.startswith("torch:") and model[len("torch:"):] in torch_nn_transformer._KINDS:
+    elif model.startswith("torch:") and model[len("torch:"):] in torch_nn.TRANSFORMER_KINDS:
         torch_model = _torch_transformer(model[len("torch:"):], n_head)
         _load_weights(torch_model, checkpoint)
-        flax_module, variables = torch_nn_transformer.transformer_from_torch(torch_model)
+        flax_module, variables = torch_nn.transformer_from_torch(torch_model)
         inputs = rng.standard_normal((2, 10, 8 * n_head)).astype(np.float32)
         if "Decoder" in model or model == "torch:Transformer":
             inputs = (inputs, rng.standard_normal((2, 7, 8 * n_head)).astype(np.float32))
     else:
         raise ValueError(
             f"compare: --model {model!r}; expected timm:NAME, taming-gpt, taming-vqgan or "
-            f"torch:KIND with KIND one of {torch_nn_transformer._KINDS}"
+            f"torch:KIND with KIND one of {torch_nn.TRANSFORMER_KINDS}"
         )
     return torch_model.eval(), flax_module, variables, inputs
 
@@ -363,7 +426,6 @@ def plant(torch_model, name: str, scale: float = 1e-2) -> None:
     key = next((k for k in (f"{name}.weight", name, f"{name}.in_proj_weight") if k in parameters), None)
     if key is None:
         raise ValueError(f"compare: --plant {name!r} names no parameter; e.g. {sorted(parameters)[:4]}")
-    # a new tensor, not an in-place add: converted numpy arrays may share the old one's memory
     parameters[key].data = parameters[key].data + scale * torch.randn_like(parameters[key])
 
 

@@ -6,8 +6,8 @@ import torch
 from taming.modules.transformer import mingpt
 from timm.models import vision_transformer as timm_vit
 
-from attnjax import torch_interop
-from attnjax.convert import compare, torch_nn_transformer
+from attnjax.convert import compare, taming, torch_nn
+from attnjax.convert import timm as convert_timm
 
 
 def _planted(variables, path):
@@ -37,7 +37,7 @@ def test_timm_vit_report_names_the_planted_layer():
     model = timm_vit.VisionTransformer(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=3, num_classes=5)
     with torch.no_grad():
         model.head.weight.normal_()
-    flax_module, variables = torch_interop.vit_from_timm(model)
+    flax_module, variables = convert_timm.vit_from_timm(model)
     images = np.random.default_rng(0).standard_normal((2, 16, 16, 3)).astype(np.float32)
     _assert_report_names(
         model, flax_module, variables, images, ("params", "blocks_1", "attn", "value", "kernel"), "blocks.1.attn.qkv"
@@ -47,7 +47,7 @@ def test_timm_vit_report_names_the_planted_layer():
 def test_taming_gpt_report_names_the_planted_layer():
     torch.manual_seed(0)
     model = mingpt.GPT(29, 8, n_layer=2, n_head=2, n_embd=16).eval()
-    flax_module, variables = torch_interop.gpt_from_taming(model.state_dict(), n_head=2)
+    flax_module, variables = taming.gpt_from_taming(model.state_dict(), n_head=2)
     tokens = np.random.default_rng(0).integers(0, 29, (2, 8))
     _assert_report_names(
         model, flax_module, variables, tokens, ("params", "blocks_1", "attn", "value", "kernel"), "blocks.1.attn.value"
@@ -69,7 +69,7 @@ def test_taming_vqgan_report_names_the_planted_layer():
 def test_torch_transformer_report_names_the_planted_layer():
     torch.manual_seed(0)
     model = torch.nn.Transformer(16, 2, 1, 2, 24, dropout=0.0, batch_first=False).eval()
-    flax_module, variables = torch_nn_transformer.transformer_from_torch(model)
+    flax_module, variables = torch_nn.transformer_from_torch(model)
     rng = np.random.default_rng(0)
     inputs = tuple(rng.standard_normal((length, 3, 16)).astype(np.float32) for length in (5, 4))
     _assert_report_names(
