@@ -4,6 +4,7 @@ Layers, bottom to top (a module may import its own layer and those below, never 
 
     0    attention, positional                  pure functions
     1    vit, vqgan, vqgan_loss, lpips, prior,  Linen modules (among themselves: no cycles)
+         transformer,
          sampling, images
     2    convert/*                              weights from PyTorch and Google files
     3    data, parallel, checkpoint             infrastructure
@@ -27,7 +28,7 @@ LAYERS = {
     "attnjax.blocked_attention": 0,
     "attnjax.attention": 0.1,
     "attnjax.positional": 0,
-    **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling",
+    **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling", "transformer",
                                          "images")},
     "attnjax.convert": 2,
     **{f"attnjax.{name}": 3 for name in ("data", "sharding", "parallel", "checkpoint", "checkpoint_integrity",
