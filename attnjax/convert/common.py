@@ -298,7 +298,9 @@ def _leaf_paths(tree: Mapping, path: tuple = ()):
             yield (*path, key)
 
 
-def export_with_key_table(params: Mapping, table: KeyTable, to_torch: Mapping, where: str) -> dict[str, np.ndarray]:
+def export_with_key_table(
+    params: Mapping, table: KeyTable, to_torch: Mapping, where: str
+) -> dict[str, np.ndarray]:
     """Flax ``params`` -> a torch state dict (numpy float32), ``table`` read backwards.
 
     Each parameter belongs to its deepest enclosing Flax module that a row of ``table`` names
