@@ -275,6 +275,8 @@ def _reversed_row(pattern: str, path: str, where: str) -> tuple[re.Pattern, list
 
 
 def reversed_table(table: KeyTable, where: str) -> list[tuple[re.Pattern, list[str], Callable]]:
+    """Every row of ``table`` backwards, for ``torch_module_name``; a row whose pattern is more than
+    literal text and groups, or whose Flax path drops a group, raises a ValueError naming it."""
     return [(*_reversed_row(pattern, path, where), convert) for pattern, path, convert in table]
 
 
