@@ -4,7 +4,8 @@ Layers, bottom to top (a module may import its own layer and those below, never 
 
     0    attention, positional                  pure functions
     1    vit, vqgan, vqgan_loss, lpips, prior,  Linen modules (among themselves: no cycles)
-         sampling, images
+         sampling, images, transformer,
+         quantizers
     2    convert/*                              weights from PyTorch and Google files
     3    data, parallel, checkpoint             infrastructure
     4.0  tasks/optim, tasks/report              what every task uses
@@ -27,8 +28,8 @@ LAYERS = {
     "attnjax.blocked_attention": 0,
     "attnjax.attention": 0.1,
     "attnjax.positional": 0,
-    **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling",
-                                         "images")},
+    **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling", "transformer",
+                                         "images", "quantizers")},
     "attnjax.convert": 2,
     **{f"attnjax.{name}": 3 for name in ("data", "sharding", "parallel", "checkpoint", "checkpoint_integrity",
                                          "nonfinite", "preemption", "workdir_lock")},

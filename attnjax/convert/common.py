@@ -34,13 +34,17 @@ KeyTable = Sequence[tuple[str, str, Callable]]
 
 
 def to_numpy(value) -> np.ndarray:
-    """A torch tensor (any device, with or without grad) or array-like -> float32/int numpy array."""
+    """A torch tensor (any device, with or without grad) or array-like -> float32/int numpy array.
+
+    Always a copy: ``Tensor.numpy()`` shares the tensor's memory, so without one an in-place update
+    of the PyTorch parameter (an optimizer step) would silently change the converted weights too.
+    """
     if hasattr(value, "detach"):
         value = value.detach().cpu()
         if value.dtype.is_floating_point:
             value = value.float()
         value = value.numpy()
-    return np.asarray(value)
+    return np.array(value, copy=True)
 
 
 def load_state_dict(source) -> dict[str, np.ndarray]:
@@ -195,6 +199,141 @@ def apply_key_table(
         raise ValueError(f"{where}: keys not converted (parts the Flax model does not have): {unread[:8]}")
     return variables
 
+
+
+# --------------------------------------------------------------------------------------------
+# The other direction: Flax params -> torch tensors, by reading a key table backwards
+# --------------------------------------------------------------------------------------------
+
+
+def dense_to_linear(params: Mapping) -> dict:
+    """``nn.Dense`` params -> ``nn.Linear`` tensors: weight [out, in], optional bias."""
+    tensors = {"weight": np.asarray(params["kernel"], np.float32).T}
+    if "bias" in params:
+        tensors["bias"] = np.asarray(params["bias"], np.float32)
+    return tensors
+
+
+def conv_to_conv2d(params: Mapping) -> dict:
+    """``nn.Conv`` params -> ``nn.Conv2d`` tensors: weight [out, in, kh, kw], optional bias."""
+    tensors = {"weight": np.asarray(params["kernel"], np.float32).transpose(3, 2, 0, 1)}
+    if "bias" in params:
+        tensors["bias"] = np.asarray(params["bias"], np.float32)
+    return tensors
+
+
+def norm_to_torch(params: Mapping) -> dict:
+    """``nn.LayerNorm`` / ``nn.GroupNorm`` params -> torch ``weight``[, ``bias``]."""
+    tensors = {"weight": np.asarray(params["scale"], np.float32)}
+    if "bias" in params:
+        tensors["bias"] = np.asarray(params["bias"], np.float32)
+    return tensors
+
+
+def embed_to_embedding(params: Mapping) -> dict:
+    """``nn.Embed`` params -> ``nn.Embedding`` ``weight`` [num, dim]."""
+    return {"weight": np.asarray(params["embedding"], np.float32)}
+
+
+def parameter_to_torch(array) -> np.ndarray:
+    """A bare parameter (``cls_token``, ``pos_embed``), unchanged."""
+    return np.asarray(array, np.float32)
+
+
+# Each layer converter -> its inverse; a model's exporter adds the inverses of its own converters.
+TO_TORCH = {
+    linear: dense_to_linear,
+    conv2d: conv_to_conv2d,
+    layer_norm: norm_to_torch,
+    embedding: embed_to_embedding,
+    parameter: parameter_to_torch,
+}
+
+_GROUP = re.compile(r"\(((?:[^()\\]|\\.)*)\)")
+
+
+def _reversed_row(pattern: str, path: str, where: str) -> tuple[re.Pattern, list[str]]:
+    """One key-table row backwards: (regex over a "/"-joined Flax module path, the torch name as
+    literal pieces around the regex's groups ``g1``, ``g2``...)."""
+    pieces = _GROUP.split(pattern)
+    literals = [piece.replace("\\.", ".") for piece in pieces[0::2]]
+    groups = pieces[1::2]
+    if any(not re.fullmatch(r"[\w.]*", literal) for literal in literals):
+        raise ValueError(f"{where}: key table pattern {pattern!r} is not literal text and (groups)")
+    flax_regex, seen = [], set()
+    for index, piece in enumerate(re.split(r"\\(\d+)", path)):
+        if index % 2 == 0:
+            flax_regex.append(re.escape(piece))
+        elif piece in seen:
+            flax_regex.append(f"(?P=g{piece})")
+        else:
+            seen.add(piece)
+            flax_regex.append(f"(?P<g{piece}>{groups[int(piece) - 1]})")
+    if seen != {str(number) for number in range(1, len(groups) + 1)}:
+        raise ValueError(f"{where}: flax path {path!r} does not use every group of {pattern!r}")
+    return re.compile("".join(flax_regex)), literals
+
+
+def reversed_table(table: KeyTable, where: str) -> list[tuple[re.Pattern, list[str], Callable]]:
+    """Every row of ``table`` backwards, for ``torch_module_name``; a row whose pattern is more than
+    literal text and groups, or whose Flax path drops a group, raises a ValueError naming it."""
+    return [(*_reversed_row(pattern, path, where), convert) for pattern, path, convert in table]
+
+
+def torch_module_name(rows, flax_path: Sequence[str]) -> tuple[str, Callable] | None:
+    """The torch module name and layer converter of the first reversed row that matches the Flax
+    module at ``flax_path`` exactly, or None."""
+    for regex, literals, convert in rows:
+        match = regex.fullmatch("/".join(flax_path))
+        if match is not None:
+            groups = [match.group(f"g{number}") for number in range(1, len(literals))]
+            name = literals[0] + "".join(group + literal for group, literal in zip(groups, literals[1:]))
+            return name, convert
+    return None
+
+
+def _leaf_paths(tree: Mapping, path: tuple = ()):
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _leaf_paths(value, (*path, key))
+        else:
+            yield (*path, key)
+
+
+def export_with_key_table(
+    params: Mapping, table: KeyTable, to_torch: Mapping, where: str
+) -> dict[str, np.ndarray]:
+    """Flax ``params`` -> a torch state dict (numpy float32), ``table`` read backwards.
+
+    Each parameter belongs to its deepest enclosing Flax module that a row of ``table`` names
+    (``blocks_0/attn/out`` before ``blocks_0/attn``); that module's subtree goes through the
+    inverse (``to_torch[converter]``) of the row's converter once, giving ``{leaf: tensor}`` under
+    the row's torch name (or one tensor at that name, for bare parameters). A parameter no row
+    names raises a ValueError: the model has parts the torch layout does not.
+    """
+    rows = reversed_table(table, where)
+    modules: dict[tuple, tuple[str, Callable]] = {}
+    for leaf_path in _leaf_paths(params):
+        for end in range(len(leaf_path), 0, -1):
+            found = torch_module_name(rows, leaf_path[:end])
+            if found is not None:
+                modules.setdefault(leaf_path[:end], found)
+                break
+        else:
+            raise ValueError(f"{where}: no torch key for the Flax parameter {'/'.join(leaf_path)}")
+    state = {}
+    for module_path, (name, convert) in modules.items():
+        if convert not in to_torch:
+            raise ValueError(f"{where}: no inverse of the converter {getattr(convert, '__name__', convert)}")
+        subtree = params
+        for part in module_path:
+            subtree = subtree[part]
+        tensors = to_torch[convert](subtree)
+        if isinstance(tensors, Mapping):
+            state.update({f"{name}.{leaf}": tensor for leaf, tensor in tensors.items()})
+        else:
+            state[name] = tensors
+    return {key: np.ascontiguousarray(value, np.float32) for key, value in state.items()}
 
 def check_against_init(module, variables: dict, example, where: str) -> None:
     """Every converted leaf must exist in ``module.init`` with the same shape, and vice versa."""

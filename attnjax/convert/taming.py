@@ -1,19 +1,33 @@
-"""taming-transformers -> attnjax: ``VQModel`` (-> ``vqgan.VQGAN``), ``NLayerDiscriminator``, and
-the transformer prior's minGPT (-> ``prior.GPT``)."""
+"""taming-transformers <-> attnjax: ``VQModel`` (<-> ``vqgan.VQGAN``), ``NLayerDiscriminator``
+(import only), and the transformer prior's minGPT (<-> ``prior.GPT``).
+
+The exports read the import tables backwards (``VQMODEL_TABLE``, ``GPT_TABLE``) and write
+``.safetensors`` files that load with ``load_state_dict(strict=True)`` into taming's ``VQModel``
+(``encoder``, ``decoder``, ``quantize``, ``quant_conv``, ``post_quant_conv``; no ``loss.*``) and
+``mingpt.GPT`` (plus each block's causal-mask buffer ``attn.mask`` minGPT keeps in its state
+dict). They need no torch: tensors are numpy float32 and safetensors writes them.
+"""
 from __future__ import annotations
+
+import os
+import pathlib
 
 import numpy as np
 
 from attnjax.convert.common import (
+    TO_TORCH,
     apply_key_table,
     batch_norm,
     check_against_init,
     conv2d,
+    conv_to_conv2d,
     embedding,
+    export_with_key_table,
     group_norm,
     layer_norm,
     linear,
     load_state_dict,
+    norm_to_torch,
     parameter,
     take,
 )
@@ -158,3 +172,58 @@ def gpt_from_taming(state_dict, n_head: int):
         n_embd=n_embd,
     )
     return model, variables
+
+
+def taming_layer_to_torch(params: dict) -> dict:
+    """The inverse of ``taming_layer`` for the layers a VQModel has: Conv2d and GroupNorm."""
+    return conv_to_conv2d(params) if "kernel" in params else norm_to_torch(params)
+
+
+VQMODEL_PARTS = ("encoder", "decoder", "quantize", "quant_conv", "post_quant_conv")
+
+
+def vqgan_state_dict(variables) -> dict[str, np.ndarray]:
+    """attnjax ``VQGAN`` variables -> taming ``VQModel`` state dict (numpy float32)."""
+    params = variables["params"]
+    missing = [part for part in VQMODEL_PARTS if part not in params]
+    if missing:
+        raise ValueError(f"vqgan_state_dict: params have no {missing}; are these VQGAN variables?")
+    to_torch = {**TO_TORCH, taming_layer: taming_layer_to_torch}
+    parts = {part: params[part] for part in VQMODEL_PARTS}
+    return export_with_key_table(parts, VQMODEL_TABLE, to_torch, "vqgan_state_dict")
+
+
+def gpt_state_dict(model, variables) -> dict[str, np.ndarray]:
+    """attnjax ``prior.GPT`` variables -> taming ``mingpt.GPT`` state dict (numpy float32)."""
+    state = export_with_key_table(variables["params"], GPT_TABLE, TO_TORCH, "gpt_state_dict")
+    causal = np.tril(np.ones((model.block_size, model.block_size), np.float32))[None, None]
+    for layer in range(model.n_layer):
+        state[f"blocks.{layer}.attn.mask"] = causal
+    return state
+
+
+def save_safetensors(state: dict[str, np.ndarray], path) -> pathlib.Path:
+    """Write ``state`` to ``path`` (``.safetensors``) through a temporary file, so a failed write
+    leaves any existing file untouched."""
+    from safetensors.numpy import save_file
+
+    path = pathlib.Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"save_safetensors: path {str(path)!r} must end in .safetensors")
+    if not path.parent.is_dir():
+        raise ValueError(f"save_safetensors: folder {str(path.parent)!r} does not exist")
+    partial = path.with_name(f".{path.name}.partial")
+    save_file(state, str(partial))
+    os.replace(partial, path)
+    return path
+
+
+def save_vqgan(variables, path) -> pathlib.Path:
+    """attnjax VQGAN variables -> a taming ``VQModel`` ``.safetensors`` file."""
+    return save_safetensors(vqgan_state_dict(variables), path)
+
+
+def save_gpt(model, variables, path, prefix: str = "") -> pathlib.Path:
+    """attnjax GPT -> a taming ``mingpt.GPT`` ``.safetensors`` file; ``prefix="transformer."``
+    gives the keys of a ``Net2NetTransformer``."""
+    return save_safetensors({prefix + k: v for k, v in gpt_state_dict(model, variables).items()}, path)

@@ -1,13 +1,32 @@
-"""PyTorch Vision Transformers -> ``attnjax.vit.ViT``: timm's ``VisionTransformer``, and the
-reference PyTorch ViT layout (``torch.nn.MultiheadAttention`` blocks, Linear patch embedding)
-that ``tests/test_vit.py`` defines and checks against."""
+"""PyTorch Vision Transformers <-> ``attnjax.vit.ViT``: timm's ``VisionTransformer`` both ways,
+and the reference PyTorch ViT layout (``torch.nn.MultiheadAttention`` blocks, Linear patch
+embedding) that ``tests/test_vit.py`` defines and checks against.
+
+The export (``vit_state_dict``, ``vit_to_timm``) reads ``TIMM_VIT_TABLE`` backwards, so one table
+names every mapping in both directions:
+
+    ========================  ================================  ==============================
+    attnjax                   timm                              rule
+    ========================  ================================  ==============================
+    patch_embed (Dense)       patch_embed.proj (Conv2d)         [ph*pw*C, D] -> [D, C, ph, pw]
+    cls_token, pos_embed      cls_token, pos_embed              as is
+    blocks_N/attn/q, k, v     blocks.N.attn.qkv                 packed q|k|v, transposed
+    other Dense, LayerNorm    their timm names                  Linear, LayerNorm
+    ========================  ================================  ==============================
+"""
 from __future__ import annotations
 
 import functools
 import math
 
+import numpy as np
+
 from attnjax.convert.common import (
+    TO_TORCH,
     apply_key_table,
+    as_pair,
+    dense_to_linear,
+    export_with_key_table,
     finish_vit,
     layer_norm,
     linear,
@@ -218,3 +237,94 @@ def vit_from_torch_reference(
     grid = square_grid(params["pos_embed"]["pos_embedding"].shape[1], 1, where)
     return finish_vit(config, overrides, params, grid, where)
 
+
+def qkv_to_packed(attn: dict) -> dict:
+    """``query``/``key``/``value`` Dense params -> one packed Linear ``[3 * width, width]`` (+ bias)."""
+    parts = [dense_to_linear(attn[name]) for name in ("query", "key", "value")]
+    return {leaf: np.concatenate([part[leaf] for part in parts]) for leaf in ("weight", "bias")}
+
+
+def patch_embedding_to_conv(params: dict, patch_size: tuple, in_channels: int) -> dict:
+    """``patch_embed`` Dense on ``(row, col, C)``-flattened patches -> Conv2d ``[width, C, ph, pw]``."""
+    kernel = np.asarray(params["kernel"], np.float32)
+    image_kernel = kernel.reshape(*patch_size, in_channels, kernel.shape[1])
+    return {"weight": image_kernel.transpose(3, 2, 0, 1), "bias": np.asarray(params["bias"], np.float32)}
+
+
+def _check_exportable(model) -> None:
+    unsupported = {
+        "posemb": (model.posemb != "learn", "timm's learned pos_embed needs posemb='learn'"),
+        "representation_size": (model.representation_size is not None, "timm has no pre_logits layer"),
+    }
+    for field, (bad, why) in unsupported.items():
+        if bad:
+            raise ValueError(f"vit_to_timm: {field}={getattr(model, field)!r} unsupported: {why}")
+
+
+def _image_size(model, params: dict) -> tuple[int, int]:
+    """The model's image size, or the square grid its learned position table covers."""
+    patch = as_pair(model.patch_size)
+    if model.image_size is not None:
+        return as_pair(model.image_size)
+    tokens = params["pos_embed"]["pos_embedding"].shape[1]
+    grid = tokens - int(model.class_token and not model.no_embed_class)
+    side = math.isqrt(grid)
+    if side * side != grid:
+        raise ValueError(
+            f"vit_to_timm: image_size is None and the position table's {grid} patch positions are "
+            "not a square grid; set image_size on the model"
+        )
+    return side * patch[0], side * patch[1]
+
+
+def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
+    """attnjax ``ViT`` variables -> a timm ``VisionTransformer`` state dict (numpy float32)."""
+    from attnjax.vit import unstack_block_params
+
+    _check_exportable(model)
+    params = variables["params"]
+    if model.scan_layers:
+        params = unstack_block_params(params)
+    to_torch = {
+        **TO_TORCH,
+        packed_qkv: qkv_to_packed,
+        conv_patch_embedding: functools.partial(
+            patch_embedding_to_conv, patch_size=as_pair(model.patch_size), in_channels=model.in_channels
+        ),
+    }
+    return export_with_key_table(params, TIMM_VIT_TABLE, to_torch, "vit_state_dict")
+
+
+def vit_to_timm(model, variables):
+    """attnjax ``ViT`` + variables -> a timm ``VisionTransformer`` in eval mode with the weights loaded.
+
+    ``timm_model(images_nchw)`` equals ``model.apply(variables, images_nhwc)``. The position table
+    fixes timm's ``img_size`` when the model's ``image_size`` is None (square grid). timm imports
+    torchvision, which must be importable next to the installed torch.
+    """
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
+
+    state = vit_state_dict(model, variables)
+    mlp_dim = state["blocks.0.mlp.fc1.weight"].shape[0]
+    timm_model = VisionTransformer(
+        img_size=_image_size(model, variables["params"]),
+        patch_size=as_pair(model.patch_size),
+        in_chans=model.in_channels,
+        num_classes=model.num_classes,
+        global_pool={"cls": "token", "gap": "avg"}[model.pool],
+        embed_dim=model.width,
+        depth=model.depth,
+        num_heads=model.num_heads,
+        mlp_ratio=mlp_dim / model.width,
+        class_token=model.class_token,
+        no_embed_class=model.no_embed_class,
+        fc_norm=model.pool == "gap" if model.fc_norm is None else model.fc_norm,
+        pos_drop_rate=model.dropout_rate,
+        proj_drop_rate=model.dropout_rate,
+        attn_drop_rate=model.attention_dropout_rate,
+        drop_path_rate=model.drop_path_rate,
+        norm_layer=functools.partial(torch.nn.LayerNorm, eps=model.layer_norm_eps),
+    )
+    timm_model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True)
+    return timm_model.eval()

@@ -134,3 +134,37 @@ def test_apply_key_table_refuses_keys_it_did_not_convert():
     state["layers.0.gate.weight"] = torch.zeros(4)
     with pytest.raises(ValueError, match=r"\['layers.0.gate.weight'\]"):
         common.apply_key_table(state, TABLE, "toy", skip=r"num_batches_tracked$")
+
+
+def test_to_numpy_copies_so_later_torch_updates_do_not_reach_converted_weights():
+    layer = torch.nn.Linear(3, 2)
+    params = common.linear(layer.state_dict(), "")
+    before = params["kernel"].copy()
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an optimizer step on the PyTorch side, after conversion
+    np.testing.assert_array_equal(params["kernel"], before)
+    assert common.to_numpy(np.ones(2)).base is None
+
+
+def test_export_with_key_table_inverts_apply_key_table_and_names_unmapped_parameters():
+    table = (
+        (r"blocks\.(\d+)\.attn\.(query|key)", r"blocks_\1/attn/\2", common.linear),
+        (r"blocks\.(\d+)\.ln", r"blocks_\1/ln", common.layer_norm),
+        (r"pos", "pos/table", common.parameter),
+    )
+    rng = np.random.default_rng(0)
+    state = {
+        **{f"blocks.{i}.attn.{n}.{leaf}": rng.normal(size=shape).astype(np.float32)
+           for i in range(2) for n in ("query", "key") for leaf, shape in (("weight", (3, 4)), ("bias", (3,)))},
+        **{f"blocks.{i}.ln.{leaf}": rng.normal(size=4).astype(np.float32) for i in range(2) for leaf in ("weight", "bias")},
+        "pos": rng.normal(size=(1, 5, 4)).astype(np.float32),
+    }
+    params = common.apply_key_table(state, table, "test")["params"]
+    exported = common.export_with_key_table(params, table, common.TO_TORCH, "test")
+    assert sorted(exported) == sorted(state)
+    for key, value in state.items():
+        np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    with pytest.raises(ValueError, match="no torch key for the Flax parameter blocks_0/extra/kernel"):
+        common.export_with_key_table(
+            {**params, "blocks_0": {**params["blocks_0"], "extra": {"kernel": np.ones(2)}}}, table, common.TO_TORCH, "test"
+        )
