@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax.blocked_attention import blocked_dot_product_attention, choose_implementation
+
 Array = jax.Array
-_IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit")
+_IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit", "blocked")
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,8 +214,9 @@ def dot_product_attention(
       scale: score scale, default ``1 / sqrt(E)``.
       dropout_rate, dropout_rng: dropout on the attention weights (explicit path).
       return_weights: also return the weights ``[batch, heads, L, S]`` (after dropout, as PyTorch).
-      implementation: None (cuDNN when supported on a GPU, else XLA), "xla", "cudnn" or
-        "explicit" (einsum + softmax). Weights, dropout and ``Ev != E`` always use "explicit".
+      implementation: None (``blocked_attention.choose_implementation`` picks by backend, dtype
+        and shape), "xla", "cudnn", "explicit" (einsum + softmax) or "blocked" (linear memory).
+        Weights and dropout always use "explicit"; ``Ev != E`` uses "explicit" or "blocked".
 
     Returns:
       ``[batch, L, heads, Ev]``, or ``(out, weights)``. Rows whose keys are all masked are zeros.
@@ -242,6 +245,11 @@ def dot_product_attention(
     key_length = key.shape[1]
     _check_mask_shape(mask, (batch, heads, length, key_length), "dot_product_attention")
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
+    if implementation is None and not (return_weights or dropout_rate > 0.0):
+        implementation = choose_implementation(
+            jax.default_backend(), query.dtype, length, key_length, depth, value.shape[-1])
+    if implementation == "blocked" and not (return_weights or dropout_rate > 0.0):
+        return blocked_dot_product_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
 
     explicit = (
         return_weights or dropout_rate > 0.0 or value.shape[-1] != depth or implementation == "explicit"
@@ -284,6 +292,7 @@ def scaled_dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng=None,
     return_weights: bool = False,
+    implementation: str | None = None,
 ):
     """Attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics and layout.
 
@@ -299,6 +308,7 @@ def scaled_dot_product_attention(
       scale: default ``1 / sqrt(E)``.
       dropout_rate, dropout_rng: dropout on the attention weights.
       return_weights: also return the weights ``[..., L, S]``.
+      implementation: as in ``dot_product_attention``.
 
     Returns:
       ``[..., L, Ev]``, or ``(out, weights)``. A query row whose keys are all masked gives zeros
@@ -360,6 +370,7 @@ def scaled_dot_product_attention(
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
         return_weights=return_weights,
+        implementation=implementation,
     )
     out, weights = result if return_weights else (result, None)
     out = jnp.swapaxes(out, 1, 2).reshape(leading + (length, value.shape[-1]))
