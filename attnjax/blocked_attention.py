@@ -28,15 +28,24 @@ import numpy as np
 
 Array = jax.Array
 
-# Measured on a 2-core Xeon (XLA:CPU, float32, batch 1 x 8 heads x head_dim 64, causal fwd+bwd,
-# benchmarks/attention.py): the explicit einsum path is faster up to 1024 tokens, the blocked
-# path from 2048 on, where the [L, S] scores (8 heads x 2048^2 x 4 bytes = 128 MiB per copy) stop
-# fitting in cache. On accelerators the plain path stays fast longer but its memory is quadratic;
-# 4096 caps the score matrix at 512 MiB per (batch, 8 heads).
-BLOCKED_MIN_LENGTH = {"cpu": 2048}
+# Thresholds measured on a 2-core Xeon (XLA:CPU, float32, 1 batch x 8 heads x head_dim 64,
+# min of 5 runs, fwd+bwd ms; benchmarks/attention.py measures them again):
+#   L      fused XLA  explicit  blocked(128)     causal: explicit  blocked(128)
+#   64          0.5       0.7      0.6
+#   197        33.1       9.2      7.7
+#   256        85.6       9.5      8.2                       9.5        6.3
+#   512       212       188       40                        205        21.5
+#   1024      976       746      117                       1060        68
+#   4096        -         -        -                      19548      1049
+# The [heads, L, S] scores stop fitting in cache from about 512 tokens; below, the einsum path
+# beats XLA:CPU's fused attention from about 128 tokens, and the fused path is as fast below that.
+# On accelerators the plain path stays fast longer, but its memory is quadratic: 4096 tokens cap
+# the score matrix at 512 MiB per batch of 8 float32 heads.
+EXPLICIT_MIN_LENGTH_CPU = 128
+BLOCKED_MIN_LENGTH = {"cpu": 512}
 BLOCKED_MIN_LENGTH_ACCELERATOR = 4096
-DEFAULT_QUERY_BLOCK = 512
-DEFAULT_KEY_BLOCK = 512
+DEFAULT_QUERY_BLOCK = 128
+DEFAULT_KEY_BLOCK = 128
 
 
 def choose_implementation(backend: str, dtype, query_length: int, key_length: int,
@@ -48,14 +57,17 @@ def choose_implementation(backend: str, dtype, query_length: int, key_length: in
       memory at any length).
     * ``max(query_length, key_length)`` at or above the backend's threshold
       (``BLOCKED_MIN_LENGTH``): ``"blocked"``, linear memory.
-    * otherwise ``None``: the plain path (XLA's fused attention, or einsum + softmax when
-      ``head_dim != value_dim``), fastest while the scores fit in cache.
+    * CPU from ``EXPLICIT_MIN_LENGTH_CPU`` tokens: ``"explicit"`` (einsum + softmax).
+    * otherwise ``None``: XLA's fused attention, or einsum + softmax when ``head_dim != value_dim``.
     """
     cudnn_shapes = head_dim == value_dim and head_dim % 8 == 0 and head_dim <= 128
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16) and cudnn_shapes:
         return None
-    if max(query_length, key_length) >= BLOCKED_MIN_LENGTH.get(backend, BLOCKED_MIN_LENGTH_ACCELERATOR):
+    length = max(query_length, key_length)
+    if length >= BLOCKED_MIN_LENGTH.get(backend, BLOCKED_MIN_LENGTH_ACCELERATOR):
         return "blocked"
+    if backend == "cpu" and length >= EXPLICIT_MIN_LENGTH_CPU:
+        return "explicit"
     return None
 
 

@@ -202,10 +202,12 @@ def test_dispatch_rule():
     assert choose("gpu", jnp.bfloat16, 16384, 16384, 64, 64) is None  # cuDNN flash attention
     assert choose("gpu", jnp.float32, 16384, 16384, 64, 64) == "blocked"
     assert choose("gpu", jnp.float16, 256, 256, 64, 64) is None
+    assert choose("cpu", jnp.float32, 197, 197, 64, 64) == "explicit"
+    assert choose("cpu", jnp.float32, 65, 65, 64, 64) is None
 
 
 def test_default_dispatch_takes_blocked_path_for_long_sequences():
-    length = blocked_attention.BLOCKED_MIN_LENGTH["cpu"]
+    length = max(blocked_attention.BLOCKED_MIN_LENGTH["cpu"], 2048)
     default = fwd_bwd_temp_bytes(attention.dot_product_attention, length)
     assert default == fwd_bwd_temp_bytes(blocked_attention.blocked_dot_product_attention, length)
     assert default < 8 * length * length * 4, default  # below one [heads, L, L] score matrix
