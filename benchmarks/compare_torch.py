@@ -121,7 +121,7 @@ def _inference(fn):
 # --------------------------------------------------------------------------------------------
 
 
-def sdpa(length, quick):
+def sdpa(length):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 8, length, 64), dtype=np.float32) for _ in range(3))
 
@@ -140,7 +140,7 @@ def sdpa(length, quick):
     return f"SDPA fwd+bwd causal 1x8x{length}x64", Jax(grads, (), q, k, v), torch_step
 
 
-def mha(quick):
+def mha():
     torch.manual_seed(0)
     reference = torch.nn.MultiheadAttention(256, 8, batch_first=True).to(DEVICE)
     module, variables = torch_interop.mha_from_torch(reference.cpu())
@@ -327,7 +327,7 @@ def gpt_train(batch, length):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ttargets.reshape(-1))
 
     step, state = _jax_train_step(loss, variables["params"])
-    return (f"GPT train step {8} layers x 256, length {length}, batch {batch}",
+    return (f"GPT train step 8 layers x 256, length {length}, batch {batch}",
             Jax(step, state, inputs, targets, donate=True), _torch_train_step(reference, torch_loss))
 
 
@@ -343,7 +343,8 @@ def gpt_sample(batch, steps):
     def sample(params, prefix, rng):
         return prior.sample(model, params, prefix, rng, steps, temperature=1.0, top_k=100)
 
-    torch_step = _inference(lambda: mingpt.sample(reference, tprefix, steps, temperature=1.0, sample=True, top_k=100))
+    torch_step = _inference(
+        lambda: mingpt.sample(reference, tprefix, steps, temperature=1.0, sample=True, top_k=100))
     return (f"GPT sampling {steps} tokens, batch {batch} (KV cache vs taming's loop)",
             Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0)), torch_step)
 
@@ -351,9 +352,9 @@ def gpt_sample(batch, steps):
 def rows(quick, directory):
     """Row name -> thunk building (description, attnjax step, torch step)."""
     return {
-        "sdpa_1024": lambda: sdpa(1024, quick),
-        "sdpa_4096": lambda: sdpa(1024 if quick else 4096, quick),
-        "mha": lambda: mha(quick),
+        "sdpa_1024": lambda: sdpa(1024),
+        "sdpa_4096": lambda: sdpa(1024 if quick else 4096),
+        "mha": mha,
         "vit_cifar_train": lambda: vit_row("cifar", 32, 32 if quick else 128, True, 10),
         "vit_cifar_infer": lambda: vit_row("cifar", 32, 64 if quick else 256, False, 10),
         "vit_ti16_train": lambda: vit_row("Ti/16", 224, 2 if quick else 8, True, 1000),
@@ -387,6 +388,10 @@ def main():
     torch.set_num_threads(os.cpu_count())
     repeats = args.repeats or (2 if args.quick else 5)
 
+    meta = machine()
+    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results"
+                       / f"compare_torch_{jax.default_backend()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as directory:
         table = rows(args.quick, directory)
@@ -403,10 +408,12 @@ def main():
                        speedup=torch_ms / jax_ms, attnjax_compile_s=jax_step.compile_s,
                        attnjax_xla_temp_mib=jax_step.temp_mib, rss_growth_mib=_rss_mib() - rss_before)
             results.append(row)
+            # Written after every row, so an interrupted run keeps the rows it finished.
+            out.write_text(json.dumps({"machine": meta, "quick": args.quick, "repeats": repeats,
+                                       "rows": results}, indent=2))
             print(f"{name:18s} attnjax {jax_ms:9.1f} ms  torch {torch_ms:9.1f} ms  "
                   f"torch/attnjax {row['speedup']:5.2f}  (compile {jax_step.compile_s:.1f} s)", flush=True)
 
-    meta = machine()
     print(f"\nattnjax jit vs torch eager on {meta['cpu']} ({meta['cores']} cores, torch threads "
           f"{meta['torch_threads']}), jax {meta['jax']} {meta['jax_backend']}, torch {meta['torch']} {DEVICE}; "
           f"median of {repeats} after warm-up\n")
@@ -417,10 +424,6 @@ def main():
               f"{r['attnjax_compile_s']:.1f} | {r['attnjax_xla_temp_mib']:.0f} | {r['rss_growth_mib']:.0f} |")
     speedups = [r["speedup"] for r in results]
     print(f"\ngeometric mean torch / attnjax: {float(np.exp(np.mean(np.log(speedups)))):.2f}")
-    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results"
-                       / f"compare_torch_{jax.default_backend()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": meta, "quick": args.quick, "repeats": repeats, "rows": results}, indent=2))
     print(f"saved {out}")
 
 

@@ -198,7 +198,7 @@ def test_dispatch_rule():
     threshold = blocked_attention.BLOCKED_MIN_LENGTH["cpu"]
     assert choose("cpu", jnp.float32, threshold, threshold, 64, 64) == "blocked"
     assert choose("cpu", jnp.float32, 1, threshold, 64, 32) == "blocked"
-    assert choose("cpu", jnp.float32, threshold - 1, threshold - 1, 64, 64) is None
+    assert choose("cpu", jnp.float32, threshold - 1, threshold - 1, 64, 64) == "explicit"
     assert choose("gpu", jnp.bfloat16, 16384, 16384, 64, 64) is None  # cuDNN flash attention
     assert choose("gpu", jnp.float32, 16384, 16384, 64, 64) == "blocked"
     assert choose("gpu", jnp.float16, 256, 256, 64, 64) is None
