@@ -12,9 +12,9 @@ scores (``-inf`` entries mask a key out). ``is_causal`` is PyTorch's top-left al
 ``tril(ones(L, S))``. A query row whose keys are all masked returns zeros, never NaN (PyTorch's
 ``nn.MultiheadAttention`` returns NaN there).
 
-Which kernel runs is ``dot_product_attention``'s ``implementation``: the fused
-``jax.nn.dot_product_attention`` by default, an explicit einsum + softmax where the fused kernels
-cannot serve (attention weights or dropout requested, ``Ev != E``).
+Which kernel runs is ``dot_product_attention``'s ``implementation``, by default picked by
+``blocked_attention.choose_implementation``: the fused ``jax.nn.dot_product_attention``, an explicit
+einsum + softmax (always when weights or dropout are requested) or the linear-memory blocked path.
 """
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax.blocked_attention import blocked_dot_product_attention, choose_implementation
+
 Array = jax.Array
-_IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit")
+_IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit", "blocked")
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,8 +209,9 @@ def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = Fal
       scale: score scale, default ``1 / sqrt(E)``.
       dropout_rate, dropout_rng: dropout on the attention weights (explicit path).
       return_weights: also return the weights ``[batch, heads, L, S]`` (after dropout, as PyTorch).
-      implementation: None (cuDNN when supported on a GPU, else XLA), "xla", "cudnn" or
-        "explicit" (einsum + softmax). Weights, dropout and ``Ev != E`` always use "explicit".
+      implementation: None (``blocked_attention.choose_implementation`` picks by backend, dtype
+        and shape), "xla", "cudnn", "explicit" (einsum + softmax) or "blocked" (linear memory).
+        Weights and dropout always use "explicit"; ``Ev != E`` uses "explicit" or "blocked".
 
     Returns:
       ``[batch, L, heads, Ev]``, or ``(out, weights)``. Rows whose keys are all masked are zeros.
@@ -233,10 +236,14 @@ def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = Fal
     key_length = key.shape[1]
     _check_mask_shape(mask, (batch, heads, length, key_length), "dot_product_attention")
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
+    needs_weights = return_weights or dropout_rate > 0.0
+    if implementation is None and not needs_weights:
+        implementation = choose_implementation(
+            jax.default_backend(), query.dtype, length, key_length, depth, value.shape[-1])
+    if implementation == "blocked" and not needs_weights:
+        return blocked_dot_product_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
 
-    explicit = (
-        return_weights or dropout_rate > 0.0 or value.shape[-1] != depth or implementation == "explicit"
-    )
+    explicit = needs_weights or value.shape[-1] != depth or implementation == "explicit"
     keep, bias = _split_mask(mask)
     # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked blocks);
     # anything else is folded into the boolean mask.
@@ -278,7 +285,8 @@ def _fold_leading(x, leading: tuple):
 
 def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: bool = False,
                                  scale: float | None = None, dropout_rate: float = 0.0,
-                                 dropout_rng=None, return_weights: bool = False):
+                                 dropout_rng=None, return_weights: bool = False,
+                                 implementation: str | None = None):
     """Attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics and layout.
 
     ``softmax(query @ key^T * scale + mask) @ value`` over the last two axes.
@@ -291,6 +299,7 @@ def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: boo
         ``is_causal``.
       is_causal, scale, dropout_rate, dropout_rng: as ``dot_product_attention``'s.
       return_weights: also return the weights ``[..., L, S]``.
+      implementation: as ``dot_product_attention``'s.
 
     Returns:
       ``[..., L, Ev]``, or ``(out, weights)``. A query row whose keys are all masked gives zeros
@@ -327,7 +336,8 @@ def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: boo
     mask = None if mask is None else _fold_leading(mask, leading)
     result = dot_product_attention(to_bthd(query), to_bthd(key), to_bthd(value), mask,
                                    is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
-                                   dropout_rng=dropout_rng, return_weights=return_weights)
+                                   dropout_rng=dropout_rng, return_weights=return_weights,
+                                   implementation=implementation)
     out, weights = result if return_weights else (result, None)
     out = jnp.swapaxes(out, 1, 2).reshape(leading + (length, value.shape[-1]))
     if return_weights:

@@ -5,10 +5,16 @@
 For each sequence length it times forward and forward+backward of
   * attnjax fused path (``jax.nn.dot_product_attention``: XLA on CPU, cuDNN on a GPU for bf16/f16),
   * attnjax explicit path (einsum + softmax, what runs when weights or dropout are requested),
+  * attnjax blocked path (``blocked_attention``: online softmax over key tiles, linear memory),
   * torch ``F.scaled_dot_product_attention`` (eager, the backend PyTorch picks on this device),
 and reports XLA's temporary buffer size per compiled call (the memory the scores matrix costs).
 Prints a table and writes ``benchmarks/results/attention_<platform>.json``. Compile time is
 excluded from the steady-state numbers and reported on its own.
+
+    python benchmarks/attention.py --peak-memory 16384 [--batch 1]
+
+runs one blocked causal forward+backward at that length in a fresh process and reports its peak
+resident memory (``getrusage`` max RSS), XLA's temporary buffers and the step time.
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ import argparse
 import json
 import pathlib
 import platform
+import resource
+import subprocess
+import sys
 import time
 
 import jax
@@ -81,6 +90,23 @@ def bench_torch(q, k, v, repeats: int) -> dict:
     }
 
 
+def peak_memory(length: int, batch: int, heads: int, head_dim: int) -> dict:
+    """One blocked causal fwd+bwd at ``length`` in this process: peak RSS, XLA temp, time."""
+    shape = (batch, length, heads, head_dim)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32) for i in range(3))
+    jax.block_until_ready((q, k, v))
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    result = bench_jax(q, k, v, "blocked", repeats=1)
+    result.update(
+        length=length, batch=batch, heads=heads, head_dim=head_dim,
+        inputs_mib=3 * np.prod(shape) * 4 / 2**20,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        rss_before_mib=rss_before,
+        explicit_scores_mib=batch * heads * length * length * 4 / 2**20,
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
@@ -88,8 +114,33 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-memory", type=int, default=None, metavar="LENGTH",
+                        help="measure the blocked path's peak memory at LENGTH in a fresh process")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/attention_<platform>.json)")
     args = parser.parse_args()
+
+    if args.peak_memory and args.child:
+        print(json.dumps(peak_memory(args.peak_memory, args.batch, args.heads, args.head_dim)))
+        return
+    if args.peak_memory:
+        # A fresh process, so max RSS holds this run alone.
+        child = subprocess.run(
+            [sys.executable, __file__, "--child", "--peak-memory", str(args.peak_memory),
+             "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim", str(args.head_dim)],
+            check=True, capture_output=True, text=True)
+        result = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"blocked causal fwd+bwd, {args.batch} x {args.heads} heads x {args.peak_memory} x "
+              f"{args.head_dim} float32: {result['forward_backward_ms'] / 1e3:.1f} s (compile "
+              f"{result['forward_backward_compile_s']:.1f} s), peak RSS {result['peak_rss_mib']:.0f} MiB "
+              f"(process before the call {result['rss_before_mib']:.0f} MiB), XLA temp "
+              f"{result['forward_backward_temp_mib']:.0f} MiB; the explicit path's scores alone: "
+              f"{result['explicit_scores_mib']:.0f} MiB")
+        out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results"
+                           / f"attention_peak_memory_{jax.default_backend()}.json")
+        out.write_text(json.dumps(result, indent=2))
+        print(f"saved {out}")
+        return
 
     device = jax.devices()[0]
     rows = []
@@ -98,7 +149,7 @@ def main() -> None:
         shape = (args.batch, length, args.heads, args.head_dim)
         q, k, v = (jnp.asarray(rng.standard_normal(shape, dtype=np.float32)) for _ in range(3))
         row = {"length": length, "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim}
-        for implementation in ("xla", "explicit"):
+        for implementation in ("xla", "explicit", "blocked"):
             for key, value in bench_jax(q, k, v, implementation, args.repeats).items():
                 row[f"attnjax_{implementation}_{key}"] = value
         for key, value in bench_torch(q, k, v, args.repeats).items():
@@ -106,8 +157,9 @@ def main() -> None:
         rows.append(row)
 
     header = (
-        f"{'L':>6} | {'fwd ms: fused':>13} {'explicit':>9} {'torch':>8} | "
-        f"{'fwd+bwd ms: fused':>17} {'explicit':>9} {'torch':>8} | {'XLA temp MiB: fused':>19} {'explicit':>9}"
+        f"{'L':>6} | {'fwd ms: fused':>13} {'explicit':>9} {'blocked':>8} {'torch':>8} | "
+        f"{'fwd+bwd ms: fused':>17} {'explicit':>9} {'blocked':>8} {'torch':>8} | "
+        f"{'XLA temp MiB: fused':>19} {'explicit':>9} {'blocked':>8}"
     )
     print(f"float32 causal attention, batch {args.batch}, heads {args.heads}, head_dim {args.head_dim}, on {device.device_kind}")
     print(header)
@@ -115,9 +167,12 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['length']:>6} | {r['attnjax_xla_forward_ms']:>13.2f} {r['attnjax_explicit_forward_ms']:>9.2f} "
-            f"{r['torch_forward_ms']:>8.2f} | {r['attnjax_xla_forward_backward_ms']:>17.2f} "
-            f"{r['attnjax_explicit_forward_backward_ms']:>9.2f} {r['torch_forward_backward_ms']:>8.2f} | "
-            f"{r['attnjax_xla_forward_backward_temp_mib']:>19.1f} {r['attnjax_explicit_forward_backward_temp_mib']:>9.1f}"
+            f"{r['attnjax_blocked_forward_ms']:>8.2f} {r['torch_forward_ms']:>8.2f} | "
+            f"{r['attnjax_xla_forward_backward_ms']:>17.2f} {r['attnjax_explicit_forward_backward_ms']:>9.2f} "
+            f"{r['attnjax_blocked_forward_backward_ms']:>8.2f} {r['torch_forward_backward_ms']:>8.2f} | "
+            f"{r['attnjax_xla_forward_backward_temp_mib']:>19.1f} "
+            f"{r['attnjax_explicit_forward_backward_temp_mib']:>9.1f} "
+            f"{r['attnjax_blocked_forward_backward_temp_mib']:>8.1f}"
         )
 
     out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"attention_{device.platform}.json")
