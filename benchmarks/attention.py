@@ -32,16 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnjax.attention import dot_product_attention
-
-
-def _time(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (``fn`` must block until done)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from timing import median_seconds
 
 
 def bench_jax(q, k, v, implementation: str, repeats: int) -> dict:
@@ -56,7 +47,7 @@ def bench_jax(q, k, v, implementation: str, repeats: int) -> dict:
         compiled = fn.lower(q, k, v).compile()
         jax.block_until_ready(compiled(q, k, v))
         result[f"{name}_compile_s"] = time.perf_counter() - start
-        result[f"{name}_ms"] = 1e3 * _time(lambda: jax.block_until_ready(compiled(q, k, v)), repeats)
+        result[f"{name}_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(compiled(q, k, v)), repeats)
         memory = compiled.memory_analysis()
         result[f"{name}_temp_mib"] = (
             memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
@@ -85,8 +76,8 @@ def bench_torch(q, k, v, repeats: int) -> dict:
     forward(), forward_backward()  # warm-up
     return {
         "threads": torch.get_num_threads(),
-        "forward_ms": 1e3 * _time(forward, repeats),
-        "forward_backward_ms": 1e3 * _time(forward_backward, repeats),
+        "forward_ms": 1e3 * median_seconds(forward, repeats),
+        "forward_backward_ms": 1e3 * median_seconds(forward_backward, repeats),
     }
 
 

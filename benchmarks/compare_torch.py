@@ -37,6 +37,7 @@ from attnjax.convert.lpips import lpips_from_torch
 from attnjax.convert.taming import gpt_from_taming, nlayer_discriminator_from_taming, vqgan_from_taming
 from attnjax.convert.timm import vit_from_timm
 from attnjax.convert.torch_nn import mha_from_torch
+from timing import median_seconds
 
 
 def _make_torchvision_importable():
@@ -62,15 +63,6 @@ LEARNING_RATE = 1e-4
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def _median_ms(step, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def _rss_mib() -> float:
@@ -437,7 +429,7 @@ def main():
             rss_before = _rss_mib()
             description, jax_step, torch_step = table[name]()
             jax_step(), torch_step()  # warm-up
-            jax_ms, torch_ms = _median_ms(jax_step, repeats), _median_ms(torch_step, repeats)
+            jax_ms, torch_ms = 1e3 * median_seconds(jax_step, repeats), 1e3 * median_seconds(torch_step, repeats)
             row = dict(row=name, workload=description, attnjax_ms=jax_ms, torch_ms=torch_ms,
                        speedup=torch_ms / jax_ms, attnjax_compile_s=jax_step.compile_s,
                        attnjax_xla_temp_mib=jax_step.temp_mib, rss_growth_mib=_rss_mib() - rss_before)

@@ -26,15 +26,7 @@ from tqdm import tqdm
 
 from attnjax import vit
 from attnjax.convert.timm import vit_from_timm
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from timing import median_seconds
 
 
 def bench_attnjax(model, variables, images, labels, repeats: int) -> dict:
@@ -52,7 +44,7 @@ def bench_attnjax(model, variables, images, labels, repeats: int) -> dict:
         compiled = fn.lower(params).compile()
         result[f"{name}_compile_s"] = time.perf_counter() - start
         jax.block_until_ready(compiled(params))
-        result[f"{name}_ms"] = 1e3 * _median_seconds(lambda: jax.block_until_ready(compiled(params)), repeats)
+        result[f"{name}_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(compiled(params)), repeats)
         memory = compiled.memory_analysis()
         result[f"{name}_temp_mib"] = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
     result["logits"] = np.asarray(calls["forward"][0](variables["params"]))
@@ -77,8 +69,8 @@ def bench_timm(reference, images_nchw, labels, repeats: int, dtype) -> dict:
     forward()
     forward_backward()
     return {
-        "forward_ms": 1e3 * _median_seconds(forward, repeats),
-        "forward_backward_ms": 1e3 * _median_seconds(forward_backward, repeats),
+        "forward_ms": 1e3 * median_seconds(forward, repeats),
+        "forward_backward_ms": 1e3 * median_seconds(forward_backward, repeats),
         "logits": forward().float().numpy(),
     }
 
