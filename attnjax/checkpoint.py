@@ -132,10 +132,14 @@ class Checkpointer:
                              f"metrics {sorted(metrics)}.")
         if not np.isfinite(metrics[self.best_metric]):
             return  # a NaN would compare as "best" and push out the real best checkpoint
-        self.best_manager.save(
-            step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
-            metrics={k: float(v) for k, v in metrics.items()})
+        try:
+            self.best_manager.save(
+                step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
+                metrics={k: float(v) for k, v in metrics.items()})
+        except Exception as error:  # an earlier asynchronous write's failure surfaces here too
+            checkpoint_integrity.raise_if_disk_full(error, str(self.best_manager.directory))
+            raise
 
     def restore(self, state, iterator, step: int | None = None):
         """Restores into the structure and shardings of ``state`` (placed device arrays, or host

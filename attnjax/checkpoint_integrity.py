@@ -21,8 +21,9 @@ from absl import logging
 DAMAGED_PREFIX = "damaged-"
 # OS errors that mean "the disk (or the process's file size limit) is full".
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-# Orbax's writer (TensorStore) reports the OS error inside a ValueError's message.
-_TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+# Orbax's writer (TensorStore) reports the OS error inside a ValueError's message; nested in
+# another error's repr, its quotes come escaped.
+_TENSORSTORE_ERRNO = re.compile(r"os_error_code=\\?'(\d+)")
 
 
 class DamagedCheckpointError(RuntimeError):

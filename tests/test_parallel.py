@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_close
 from test_data import ROOT, load_config
 
-from attnjax import checkpoint, data, parallel
+from attnjax import checkpoint, data, parallel, sharding
 from attnjax.tasks import classification
 from attnjax.tasks.loop import train_and_evaluate
 
