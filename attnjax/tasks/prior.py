@@ -243,6 +243,11 @@ def _null_class(config) -> bool:
     return config.num_classes > 0 and config.get("class_dropout", 0.0) > 0
 
 
+def sampling_guidance(config) -> float | None:
+    """``config.sampling.guidance`` when the prior was trained for it (a null class), else None."""
+    return config.sampling.get("guidance") if _null_class(config) else None
+
+
 def _codebook_size(config, model) -> int:
     return model.vocab_size - prior.vocab_size(0, config.num_classes, _null_class(config))
 
@@ -291,6 +296,21 @@ def eval_step(state: TrainState, batch, *, config, model):
             "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
 
 
+def sample_codes(model: prior.GPT, params, labels, rng, *, grid_shape, codebook_size: int,
+                 num_classes: int, num_samples: int | None = None, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 guidance: float | None = None):
+    """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as ``sample_images``)."""
+    height, width = grid_shape
+    batch = num_samples if labels is None else len(labels)
+    prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
+    null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
+    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
+                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
+                   null_prefix=null_prefix)
+    return codes.reshape(batch, height, width)
+
+
 def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
                   codebook_size: int, num_classes: int, num_samples: int | None = None,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -313,14 +333,10 @@ def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng,
         (in [0, 1] for a well trained model).
       path: if given, the images are saved there as a PNG grid of ``nrow`` columns.
     """
-    height, width = grid_shape
-    batch = num_samples if labels is None else len(labels)
-    prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
-    null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
-    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
-                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
-                   null_prefix=null_prefix)
-    codes = codes.reshape(batch, height, width)
+    codes = sample_codes(model, params, labels, rng, grid_shape=grid_shape,
+                         codebook_size=codebook_size, num_classes=num_classes,
+                         num_samples=num_samples, temperature=temperature, top_k=top_k,
+                         top_p=top_p, guidance=guidance)
     decoded = vqgan_task.compiled_method(vqgan, "decode_indices")(vqgan_variables, codes)
     images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
     if path is not None:
@@ -346,7 +362,7 @@ def sample_grid(state_or_params, config, model, rng, path: str | None = None,
         grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
         num_classes=config.num_classes, num_samples=classes * per_class,
         temperature=sampling.temperature, top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
-        guidance=sampling.get("guidance") if _null_class(config) else None,
+        guidance=sampling_guidance(config),
         mean=vqgan.config.data.mean, std=vqgan.config.data.std, path=path, nrow=per_class,
         scale=sampling.get("png_scale", 1))
     return labels, images
