@@ -163,6 +163,18 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
     return codes, labels
 
 
+def first_codes(vqgan: TrainedVQGAN, number: int, split: str | None = None):
+    """The first ``number`` images of a split (default: the VQGAN's eval split) as completion
+    material: ``(images [n, H, W, C] normalised, codes int32 [n, h, w], labels int32 [n])``."""
+    images, labels = load_images(vqgan.config.data, split or vqgan.config.data.eval_split, 0)
+    if not 1 <= number <= len(images):
+        raise ValueError(f"first_codes: number must be in [1, {len(images)}] (the images of the "
+                         f"split), got {number}")
+    images, labels = images[:number], labels[:number]
+    codes = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))(images)
+    return images, np.asarray(codes, np.int32), labels
+
+
 def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
     return config.get("codes_cache_dir") or os.path.join(vqgan.workdir, "codes")
 
@@ -177,7 +189,8 @@ def create_model(config) -> prior.GPT:
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     height, width = vqgan.grid_shape
     return prior.GPT(
-        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes, _null_class(config)),
+        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes,
+                                    trained_with_null_class(config)),
         block_size=height * width,
         **config.model.to_dict(),
     )
@@ -239,17 +252,17 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
                       ema_params=ema)
 
 
-def _null_class(config) -> bool:
+def trained_with_null_class(config) -> bool:
     return config.num_classes > 0 and config.get("class_dropout", 0.0) > 0
 
 
 def sampling_guidance(config) -> float | None:
     """``config.sampling.guidance`` when the prior was trained for it (a null class), else None."""
-    return config.sampling.get("guidance") if _null_class(config) else None
+    return config.sampling.get("guidance") if trained_with_null_class(config) else None
 
 
 def _codebook_size(config, model) -> int:
-    return model.vocab_size - prior.vocab_size(0, config.num_classes, _null_class(config))
+    return model.vocab_size - prior.vocab_size(0, config.num_classes, trained_with_null_class(config))
 
 
 def _prefix(config, model, batch, rng=None):
@@ -257,7 +270,7 @@ def _prefix(config, model, batch, rng=None):
     codebook_size = _codebook_size(config, model)
     batch_size = batch["codes"].shape[0]
     prefix = prior.prefix_tokens(batch["label"], codebook_size, config.num_classes, batch_size)
-    if rng is not None and _null_class(config):
+    if rng is not None and trained_with_null_class(config):
         hidden = jax.random.bernoulli(rng, config.class_dropout, (batch_size, 1))
         prefix = jnp.where(hidden, prior.null_tokens(codebook_size, config.num_classes, batch_size),
                            prefix)
