@@ -21,14 +21,15 @@ _RUNS: dict = {}
 
 
 def trained_runs(digits_dir, root) -> dict:
-    """Tiny ViT, VQGAN (8x8 digits -> 4x4 codes) and prior runs, trained once per session."""
+    """Tiny ViT, VQGAN (8x8 digits -> 4x4 codes) and prior runs, trained once per session
+    (``root`` of the first call holds them)."""
     if digits_dir in _RUNS:
         return _RUNS[digits_dir]
     steps = dict(num_train_steps=4, log_every=2, eval_every=4, checkpoint_every=4, warmup_steps=1,
                  quiet=True)
     vit_config = load_config("vit_digits")
-    vit_config.data.data_dir = digits_dir
-    vit_config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32)
+    vit_config.data.update(data_dir=digits_dir, image_size=8)  # the VQGAN's size: it judges samples
+    vit_config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, image_size=8)
     vit_config.update(batch_size=16, eval_batch_size=120, **steps)
 
     vqgan_config = load_config("vqgan_digits")
@@ -62,7 +63,7 @@ def test_exported_classifier_equals_the_live_model(runs, tmp_path, digits_dir):
     manifest = export.export_workdir(runs["vit"], path)
     assert manifest["task"] == "classification" and manifest["step"] == 4
     test = data.load_source("digits", "test", digits_dir)
-    images = np.stack([data.resize(np.asarray(test[i]["image"]), 16) for i in range(7)])
+    images = np.stack([data.resize(np.asarray(test[i]["image"]), 8) for i in range(7)])
     images = (images.astype(np.float32) / 255.0 - 0.5) / 0.5
     _, predict = classification.make_predict(runs["vit"])
     exported = export.load(path)
@@ -111,7 +112,7 @@ print(json.dumps({"logits": logits.tolist(), "modules": modules}))
 def test_loader_runs_without_the_model_code(runs, tmp_path):
     path = str(tmp_path / "vit.jaxexport")
     export.export_workdir(runs["vit"], path)
-    images = np.random.default_rng(0).normal(size=(2, 16, 16, 1)).astype(np.float32)
+    images = np.random.default_rng(0).normal(size=(2, 8, 8, 1)).astype(np.float32)
     np.save(tmp_path / "images.npy", images)
     result = subprocess.run([sys.executable, "-c", LOADER, path, str(tmp_path / "images.npy")],
                             cwd=ROOT, capture_output=True, text=True, check=True,
