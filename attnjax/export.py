@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-class Exported(dict):
+class LoadedExport(dict):
     """Name -> callable of a loaded file, and ``manifest``: what the file says about itself."""
 
     def __init__(self, functions: dict, manifest: dict):
@@ -47,7 +47,7 @@ class Exported(dict):
         self.manifest = manifest
 
 
-def load(path: str) -> Exported:
+def load(path: str) -> LoadedExport:
     """Deserializes the file written by ``export_workdir``: ``{name: callable}`` + ``manifest``."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"export.load: no file at {path!r}")
@@ -58,7 +58,7 @@ def load(path: str) -> Exported:
         manifest = json.loads(bytes(contents["manifest"]).decode())
         functions = {name: jax.export.deserialize(bytearray(contents[f"function/{name}"].tobytes())).call
                      for name in manifest["functions"]}
-    return Exported(functions, manifest)
+    return LoadedExport(functions, manifest)
 
 
 def _spec(shape, dtype):

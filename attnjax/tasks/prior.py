@@ -353,7 +353,7 @@ def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng,
     decoded = vqgan_task.compiled_method(vqgan, "decode_indices")(vqgan_variables, codes)
     images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
     if path is not None:
-        save_image_grid(images, path, nrow or batch, scale)
+        save_image_grid(images, path, nrow or len(codes), scale)
     return codes, images
 
 
