@@ -7,16 +7,20 @@ Stages, each a ``train.py`` run in its own workdir under ``--workdir`` (default 
 3. ``prior``: a class-conditional GPT over the codes (``configs/prior_digits.py``).
 
 Then ``--samples_per_class`` digits of every class are sampled (the config's temperature and
-top-k), decoded by the VQGAN and classified by the ViT. One table reports the ViT's test
-accuracy, the VQGAN's PSNR, codebook usage and the ViT's accuracy on its reconstructions, the
-prior's bits per token, the fraction of samples classified as their conditioning class, and
-the wall time of each stage; ``<workdir>/samples.png`` shows the samples (a row per class) and
-``<workdir>/summary.json`` holds the numbers.
+top-k), decoded by the VQGAN and classified by the ViT. ``--completions`` held-out digits are
+completed from the top half of their codes given their class (taming's image completion), and
+one grid twice as wide as the trained one is sampled with the sliding window. One table reports
+the ViT's test accuracy, the VQGAN's PSNR, codebook usage and the ViT's accuracy on its
+reconstructions, the prior's bits per token, the fractions of samples and of completions
+classified as their class, and the wall time of each stage; ``<workdir>/samples.png`` shows
+the samples (a row per class), ``completions.png`` originals, their kept rows and completions
+(a row each), ``sliding_window.png`` the wide sample, and ``<workdir>/summary.json`` holds
+the numbers.
 
 A stage whose workdir already holds its final checkpoint is reused, not retrained; an
 interrupted stage resumes from its last checkpoint.
 
-    .venv/bin/python demo.py [--workdir runs/demo] [--samples_per_class 50]
+    .venv/bin/python demo.py [--workdir runs/demo] [--samples_per_class 50] [--completions 100]
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from attnjax import checkpoint  # noqa: E402
+from attnjax import checkpoint, sample  # noqa: E402
 from attnjax.images import save_image_grid  # noqa: E402
 from attnjax.tasks import classification as classification_task  # noqa: E402
 from attnjax.tasks import prior as prior_task  # noqa: E402
@@ -120,6 +124,31 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
     return float(np.mean(predicted == labels)), per_class_accuracy
 
 
+def complete_and_classify(prior_workdir, vit_config, predict, number, path, shown=10):
+    """Completions of the first ``number`` held-out digits from the top half of their codes:
+    the fraction the ViT classifies as the original's class; the first ``shown`` go to ``path``."""
+    run = sample.load_prior(prior_workdir)
+    rows = run.vqgan.grid_shape[0] // 2
+    result = sample.complete_test_images(run, number, rows, jax.random.key(run.config.seed + 2),
+                                         **sample.sampling_settings(run))
+    pictures = np.concatenate([result[name][:shown] for name in ("originals", "kept", "completions")])
+    save_image_grid(pictures, path, nrow=min(shown, number), scale=4)
+    vit_images = (np.clip(result["completions"], 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)) / \
+        np.asarray(vit_config.data.std, np.float32)
+    return float(np.mean(classify(predict, vit_images) == result["labels"]))
+
+
+def sliding_window_sample(prior_workdir, path, label=0):
+    """One class-``label`` sample on a code grid twice as wide as the trained one -> its shape."""
+    run = sample.load_prior(prior_workdir)
+    height, width = run.vqgan.grid_shape
+    labels = np.array([label], np.int32) if run.config.num_classes else None
+    codes = sample.sample_codes(run, labels, jax.random.key(run.config.seed + 3), number=1,
+                                grid_shape=(height, 2 * width), **sample.sampling_settings(run))
+    save_image_grid(sample.decode(run, codes), path, nrow=1, scale=4)
+    return tuple(codes.shape[1:])
+
+
 def format_summary(summary: dict) -> str:
     rows = [
         ("ViT test accuracy", f"{summary['vit_test_accuracy']:.4f}"),
@@ -129,13 +158,15 @@ def format_summary(summary: dict) -> str:
         ("prior bits per token (held-out)", f"{summary['prior_bits_per_token']:.3f}"),
         (f"samples classified as their class (n={summary['num_samples']})",
          f"{summary['sample_class_accuracy']:.4f}"),
+        (f"completions classified as the original's class (n={summary['num_completions']})",
+         f"{summary['completion_class_accuracy']:.4f}"),
     ]
     for name, stage in summary["stages"].items():
         seconds = stage["train_seconds"]
         text = "n/a" if seconds is None else f"{seconds:.1f}"
         rows.append((f"wall time: {name}" + (" (reused; from its run)" if stage["reused"] else ""),
                      text + " s"))
-    rows.append(("wall time: sampling + classification", f"{summary['eval_seconds']:.1f} s"))
+    rows.append(("wall time: sampling, completion + classification", f"{summary['eval_seconds']:.1f} s"))
     rows.append(("wall time: this demo run", f"{summary['total_seconds']:.1f} s"))
     width = max(len(name) for name, _ in rows)
     lines = ["", "attnjax demo: ViT + VQGAN + transformer prior on digits", "-" * (width + 14)]
@@ -148,9 +179,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--samples_per_class", type=int, default=50)
+    parser.add_argument("--completions", type=int, default=100,
+                        help="held-out digits completed from the top half of their codes")
     args = parser.parse_args(argv)
     if args.samples_per_class < 1:
         raise ValueError(f"--samples_per_class must be >= 1, got {args.samples_per_class}")
+    if args.completions < 1:
+        raise ValueError(f"--completions must be >= 1, got {args.completions}")
     total_start = time.perf_counter()
     os.makedirs(args.workdir, exist_ok=True)
     summary_path = os.path.join(args.workdir, "summary.json")
@@ -169,6 +204,11 @@ def main(argv=None):
     sample_accuracy, per_class = sample_and_classify(
         configs["prior"], workdirs["prior"], configs["vit"], predict, args.samples_per_class,
         samples_path)
+    completions_path = os.path.join(args.workdir, "completions.png")
+    completion_accuracy = complete_and_classify(workdirs["prior"], configs["vit"], predict,
+                                                args.completions, completions_path)
+    window_path = os.path.join(args.workdir, "sliding_window.png")
+    window_grid = sliding_window_sample(workdirs["prior"], window_path)
     summary = {
         "vit_test_accuracy": stages["vit"]["metrics"]["eval/accuracy"],
         "vqgan_psnr": stages["vqgan"]["metrics"]["eval/psnr"],
@@ -180,6 +220,11 @@ def main(argv=None):
         "num_samples": args.samples_per_class * configs["prior"].num_classes,
         "sampling": configs["prior"].sampling.to_dict(),
         "samples_png": samples_path,
+        "completion_class_accuracy": completion_accuracy,
+        "num_completions": args.completions,
+        "completions_png": completions_path,
+        "sliding_window_grid": list(window_grid),
+        "sliding_window_png": window_path,
         "stages": {name: {k: v for k, v in stage.items() if k != "metrics"}
                    for name, stage in stages.items()},
         "eval_seconds": time.perf_counter() - eval_start,
@@ -189,7 +234,9 @@ def main(argv=None):
     }
     pathlib.Path(summary_path).write_text(json.dumps(summary, indent=2))
     print(format_summary(summary))
-    print(f"samples: {samples_path}   summary: {summary_path}")
+    print(f"samples: {samples_path}   completions: {completions_path}   "
+          f"sliding window ({window_grid[0]}x{window_grid[1]} codes): {window_path}   "
+          f"summary: {summary_path}")
     return summary
 
 

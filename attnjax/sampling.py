@@ -166,7 +166,8 @@ def _sample_recompute(model, params, prefix, rng, steps, settings):
     return buffer[:batch, prefix_length:], logits_seen
 
 
-def _sample(sampler, model, params, prefix, rng, steps, settings: SamplingSettings, null_prefix):
+def _prepare(model, prefix, steps, settings: SamplingSettings, null_prefix):
+    """Checked settings and the prefix rows the model runs (``[2 batch, p]`` under guidance)."""
     prefix = jnp.asarray(prefix, jnp.int32)
     _check_lengths(model, prefix, steps)
     settings = settings.check(model.vocab_size)
@@ -182,6 +183,11 @@ def _sample(sampler, model, params, prefix, rng, steps, settings: SamplingSettin
             raise ValueError(
                 f"sample: null_prefix shape {null_prefix.shape} must equal prefix shape {prefix.shape}")
         prefix = jnp.concatenate([prefix, null_prefix], axis=0)
+    return prefix, settings
+
+
+def _sample(sampler, model, params, prefix, rng, steps, settings: SamplingSettings, null_prefix):
+    prefix, settings = _prepare(model, prefix, steps, settings, null_prefix)
     return sampler(model, params, prefix, rng, steps, settings)
 
 
@@ -225,3 +231,156 @@ def sample_recompute(model: GPT, params, prefix, rng, steps: int, *, temperature
     tokens, logits = _sample(_sample_recompute, model, params, prefix, rng, steps, settings,
                              null_prefix)
     return (tokens, logits) if return_logits else tokens
+
+
+# --------------------------------------------------------------------------------------------
+# taming's sampling modes: a sliding window over a larger grid, and completion of a partial grid
+# --------------------------------------------------------------------------------------------
+
+
+def window_origin(position: int, grid: int, window: int) -> int:
+    """First row (or column) of the window that predicts ``position`` along one grid axis.
+
+    ``clip(position - window // 2, 0, grid - window)``: the window is centred on the token and
+    clamped at the borders. For taming's 16-token window this is its ``sample_conditional.py``
+    rule (local index ``i`` for ``i <= 8``, ``16 - (grid - i)`` when ``grid - i < 8``, else 8).
+    """
+    return min(max(position - window // 2, 0), grid - window)
+
+
+def window_schedule(grid_shape, window_shape, start: int = 0):
+    """Per sampled token (raster positions ``start ..``), the int32 columns of a ``[steps, 5]``
+    table: row, column, window row, window column, and whether the cache must be refilled (the
+    window moved, or the token is not the next one of the window's raster order)."""
+    (height, width), (window_height, window_width) = grid_shape, window_shape
+    rows, previous = [], None
+    for position in range(start, height * width):
+        i, j = divmod(position, width)
+        top, left = window_origin(i, height, window_height), window_origin(j, width, window_width)
+        local = (i - top) * window_width + (j - left)
+        refill = previous is None or previous != (top, left, local - 1)
+        rows.append((i, j, top, left, int(refill)))
+        previous = (top, left, local)
+    return jnp.asarray(rows, jnp.int32).reshape(-1, 5)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "window_shape", "settings"))
+def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, settings):
+    decoder = model.clone(decode=True)
+    rows, prefix_length = prefix.shape
+    window_height, window_width = window_shape
+    sequence_length = prefix_length + window_height * window_width - 1
+    shapes = jax.eval_shape(decoder.init, jax.random.key(0), jnp.zeros((rows, sequence_length), jnp.int32))
+    empty_cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+    def run(cache, tokens):
+        logits, updated = decoder.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        return updated["cache"], logits.astype(jnp.float32)
+
+    def refill(codes, cache, token, top, left, local):
+        del cache, token
+        window = jax.lax.dynamic_slice(codes, (0, top, left), (rows, window_height, window_width))
+        sequence = jnp.concatenate([prefix, window.reshape(rows, -1)[:, :-1]], axis=1)
+        cache, logits = run(empty_cache, sequence)
+        # The cache now holds the whole window; rewinding its counters to the next input
+        # position lets the next token overwrite what follows (the causal mask hides the rest).
+        next_position = prefix_length + local
+        cache = jax.tree.map(lambda x: jnp.full_like(x, next_position) if x.ndim == 0 else x, cache)
+        return cache, jax.lax.dynamic_index_in_dim(logits, prefix_length - 1 + local, 1, keepdims=False)
+
+    def extend(codes, cache, token, top, left, local):
+        del codes, top, left, local
+        cache, logits = run(cache, token[:, None])
+        return cache, logits[:, 0]
+
+    def step(carry, inputs):
+        codes, cache, token = carry
+        s, (i, j, top, left, refill_needed) = inputs
+        local = (i - top) * window_width + (j - left)
+        cache, logits = jax.lax.cond(refill_needed > 0, refill, extend, codes, cache, token, top, left, local)
+        logits = _guide(logits, settings)
+        token = _both_halves(_pick(logits, jax.random.fold_in(rng, s), settings), settings)
+        codes = jax.lax.dynamic_update_slice(codes, token[:, None, None], (0, i, j))
+        return (codes, cache, token), logits
+
+    token = jnp.zeros((rows,), jnp.int32)
+    steps = jnp.arange(schedule.shape[0])
+    (codes, _, _), logits_seen = jax.lax.scan(step, (codes, empty_cache, token),
+                                              (steps, tuple(schedule.T)))
+    batch = rows if settings.guidance is None else rows // 2
+    return codes[:batch], jnp.swapaxes(logits_seen, 0, 1)
+
+
+def sample_window(model: GPT, params, prefix, rng, grid_shape, window_shape, *, codes=None,
+                  start: int = 0, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None, num_codes: int | None = None,
+                  guidance: float | None = None, null_prefix=None, return_logits: bool = False):
+    """Sample a code grid ``grid_shape`` (>= the trained ``window_shape``) with a sliding window.
+
+    taming-transformers' sliding-window sampling: token ``(i, j)`` (raster order) is predicted by
+    the model reading ``[prefix, window[:-1]]``, where ``window`` is the ``window_shape`` block
+    of the grid at origin ``(window_origin(i, H, h), window_origin(j, W, w))`` flattened in
+    raster order, from that window's position of ``(i, j)``. Every code the causal model sees
+    there is already sampled. taming recomputes the window for every token; here the key/value
+    cache is refilled (one pass over the window) only when the window moves, and tokens that
+    follow each other inside one window cost a single cached step. On the trained grid
+    (``grid_shape == window_shape``) this is exactly ``sample``.
+
+    Args:
+      model, params, rng, temperature, top_k, top_p, num_codes, guidance, null_prefix: as in
+        ``sample``; sampled token ``s`` (counting from ``start``) draws with ``fold_in(rng, s)``.
+      prefix: ``[batch, p]`` (the class token); ``p + h w - 1 <= block_size``.
+      grid_shape: ``(H, W)`` of the grid to sample.
+      window_shape: ``(h, w)``, the grid the prior was trained on.
+      codes: ``[batch, H, W]`` int codes whose first ``start`` positions (raster order) are kept;
+        needed when ``start > 0`` (image completion).
+      start: raster position of the first sampled token.
+      return_logits: also return the logits each pick drew from ``[batch, H W - start, vocab]``.
+
+    Returns:
+      codes ``[batch, H, W]`` int32 (the kept ones and the sampled ones).
+    """
+    prefix = jnp.asarray(prefix, jnp.int32)
+    (height, width), (window_height, window_width) = tuple(grid_shape), tuple(window_shape)
+    if height < window_height or width < window_width or min(window_height, window_width) < 1:
+        raise ValueError(f"sample_window: grid_shape {tuple(grid_shape)} must be at least the "
+                         f"window_shape {tuple(window_shape)} (the trained grid) along both axes")
+    if not 0 <= start < height * width:
+        raise ValueError(f"sample_window: start must be in [0, {height * width}) (raster positions "
+                         f"of the {height}x{width} grid), got {start}")
+    if codes is None:
+        if start:
+            raise ValueError(f"sample_window: start={start} keeps codes, but codes is None")
+        codes = jnp.zeros((prefix.shape[0], height, width), jnp.int32)
+    codes = jnp.asarray(codes, jnp.int32)
+    if codes.shape != (prefix.shape[0], height, width):
+        raise ValueError(f"sample_window: codes must be [batch, H, W] = "
+                         f"{(prefix.shape[0], height, width)}, got shape {codes.shape}")
+    settings = SamplingSettings(temperature, top_k, top_p, num_codes, guidance)
+    prefix, settings = _prepare(model, prefix, window_height * window_width, settings, null_prefix)
+    if guidance is not None:
+        codes = jnp.concatenate([codes, codes])
+    schedule = window_schedule((height, width), (window_height, window_width), start)
+    sampled, logits = _sample_window(model, params, prefix, codes, schedule, rng,
+                                     (window_height, window_width), settings)
+    return (sampled, logits) if return_logits else sampled
+
+
+def complete(model: GPT, params, prefix, codes, rows: int, rng, *, window_shape=None, **sampling):
+    """Image completion: keep the first ``rows`` rows of ``codes [batch, H, W]``, sample the rest.
+
+    taming's "completion" of a real image from its top rows of codes, with any of ``sample``'s
+    settings (class prefix, guidance with ``null_prefix``, temperature, top-k/top-p).
+    ``window_shape`` (default: the grid itself) is the trained grid when ``codes`` is larger.
+
+    Returns ``[batch, H, W]`` int32 codes whose first ``rows`` rows equal ``codes``'.
+    """
+    codes = jnp.asarray(codes, jnp.int32)
+    if codes.ndim != 3:
+        raise ValueError(f"complete: codes must be [batch, H, W], got shape {codes.shape}")
+    height, width = codes.shape[1:]
+    if not 0 < rows < height:
+        raise ValueError(f"complete: rows must be in [1, {height - 1}] (the grid has {height} rows), "
+                         f"got {rows}")
+    return sample_window(model, params, prefix, rng, (height, width), window_shape or (height, width),
+                         codes=codes, start=rows * width, **sampling)

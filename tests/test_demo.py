@@ -42,3 +42,36 @@ def test_a_finished_stage_is_reused_not_retrained(tmp_path):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="--samples_per_class"):
         demo.main(["--samples_per_class", "0"])
+
+
+def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(digits_dir, tmp_path):
+    import jax
+    import numpy as np
+    from PIL import Image
+    from test_export import trained_runs
+
+    from attnjax import sample
+    from attnjax.tasks import classification
+
+    runs = trained_runs(digits_dir, str(tmp_path / "runs"))
+    vit_config, (_, predict) = checkpoint.read_config(runs["vit"]), classification.make_predict(runs["vit"])
+    path = str(tmp_path / "completions.png")
+    fraction = demo.complete_and_classify(runs["prior"], vit_config, predict, 12, path, shown=4)
+    # 3 rows (originals, kept rows, completions) of 4 digits of 8x8 pixels, at scale 4.
+    assert np.asarray(Image.open(path)).shape == (4 * (3 * 9 + 1), 4 * (4 * 9 + 1))
+
+    run = sample.load_prior(runs["prior"])
+    completed = sample.complete_test_images(run, 12, 2, jax.random.key(run.config.seed + 2),
+                                            **sample.sampling_settings(run))
+    vit_inputs = (np.clip(completed["completions"], 0, 1) - 0.5) / 0.5
+    predicted = np.argmax(np.asarray(predict(vit_inputs)), -1)
+    assert fraction == np.mean(predicted == completed["labels"])
+
+    wide = str(tmp_path / "wide.png")
+    assert demo.sliding_window_sample(runs["prior"], wide) == (4, 8)
+    assert np.asarray(Image.open(wide)).shape == (4 * 10, 4 * 18)
+
+
+def test_bad_completion_count_raises():
+    with pytest.raises(ValueError, match="--completions must be >= 1, got 0"):
+        demo.main(["--completions", "0"])

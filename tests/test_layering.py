@@ -12,6 +12,7 @@ Layers, bottom to top (a module may import its own layer and those below, never 
     4.1  tasks/classification, tasks/vqgan,     the tasks and their registry
          tasks/prior, tasks/__init__
     4.2  tasks/loop                             the training loop
+    4.3  export, sample                         inference on trained runs (export.load: jax only)
     5    train.py, demo.py, benchmarks/         outside the package
 
 Only attnjax/convert/ may import PyTorch or its ecosystem.
@@ -38,6 +39,8 @@ LAYERS = {
     **{f"attnjax.tasks.{name}": 4.1 for name in ("classification", "vqgan", "prior")},
     "attnjax.tasks": 4.1,
     "attnjax.tasks.loop": 4.2,
+    "attnjax.export": 4.3,
+    "attnjax.sample": 4.3,
     "attnjax.launch": 5,
 }
 TORCH_WORLD = ("torch", "torchvision", "timm", "lpips", "taming")

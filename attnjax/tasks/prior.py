@@ -165,6 +165,18 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
     return codes, labels
 
 
+def first_codes(vqgan: TrainedVQGAN, number: int, split: str | None = None):
+    """The first ``number`` images of a split (default: the VQGAN's eval split) as completion
+    material: ``(images [n, H, W, C] normalised, codes int32 [n, h, w], labels int32 [n])``."""
+    images, labels = load_images(vqgan.config.data, split or vqgan.config.data.eval_split, 0)
+    if not 1 <= number <= len(images):
+        raise ValueError(f"first_codes: number must be in [1, {len(images)}] (the images of the "
+                         f"split), got {number}")
+    images, labels = images[:number], labels[:number]
+    codes = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))(images)
+    return images, np.asarray(codes, np.int32), labels
+
+
 def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
     return config.get("codes_cache_dir") or os.path.join(vqgan.workdir, "codes")
 
@@ -179,7 +191,8 @@ def create_model(config) -> prior.GPT:
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     height, width = vqgan.grid_shape
     return prior.GPT(
-        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes, _null_class(config)),
+        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes,
+                                    trained_with_null_class(config)),
         block_size=height * width,
         **config.model.to_dict(),
     )
@@ -241,12 +254,17 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
                       ema_params=ema)
 
 
-def _null_class(config) -> bool:
+def trained_with_null_class(config) -> bool:
     return config.num_classes > 0 and config.get("class_dropout", 0.0) > 0
 
 
+def sampling_guidance(config) -> float | None:
+    """``config.sampling.guidance`` when the prior was trained for it (a null class), else None."""
+    return config.sampling.get("guidance") if trained_with_null_class(config) else None
+
+
 def _codebook_size(config, model) -> int:
-    return model.vocab_size - prior.vocab_size(0, config.num_classes, _null_class(config))
+    return model.vocab_size - prior.vocab_size(0, config.num_classes, trained_with_null_class(config))
 
 
 def _prefix(config, model, batch, rng=None):
@@ -254,7 +272,7 @@ def _prefix(config, model, batch, rng=None):
     codebook_size = _codebook_size(config, model)
     batch_size = batch["codes"].shape[0]
     prefix = prior.prefix_tokens(batch["label"], codebook_size, config.num_classes, batch_size)
-    if rng is not None and _null_class(config):
+    if rng is not None and trained_with_null_class(config):
         hidden = jax.random.bernoulli(rng, config.class_dropout, (batch_size, 1))
         prefix = jnp.where(hidden, prior.null_tokens(codebook_size, config.num_classes, batch_size),
                            prefix)
@@ -293,6 +311,21 @@ def eval_step(state: TrainState, batch, *, config, model):
             "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
 
 
+def sample_codes(model: prior.GPT, params, labels, rng, *, grid_shape, codebook_size: int,
+                 num_classes: int, num_samples: int | None = None, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 guidance: float | None = None):
+    """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as ``sample_images``)."""
+    height, width = grid_shape
+    batch = num_samples if labels is None else len(labels)
+    prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
+    null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
+    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
+                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
+                   null_prefix=null_prefix)
+    return codes.reshape(batch, height, width)
+
+
 def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
                   codebook_size: int, num_classes: int, num_samples: int | None = None,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -315,18 +348,14 @@ def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng,
         (in [0, 1] for a well trained model).
       path: if given, the images are saved there as a PNG grid of ``nrow`` columns.
     """
-    height, width = grid_shape
-    batch = num_samples if labels is None else len(labels)
-    prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
-    null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
-    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
-                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
-                   null_prefix=null_prefix)
-    codes = codes.reshape(batch, height, width)
+    codes = sample_codes(model, params, labels, rng, grid_shape=grid_shape,
+                         codebook_size=codebook_size, num_classes=num_classes,
+                         num_samples=num_samples, temperature=temperature, top_k=top_k,
+                         top_p=top_p, guidance=guidance)
     decoded = vqgan_task.compiled_method(vqgan, "decode_indices")(vqgan_variables, codes)
     images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
     if path is not None:
-        save_image_grid(images, path, nrow or batch, scale)
+        save_image_grid(images, path, nrow or len(codes), scale)
     return codes, images
 
 
@@ -348,7 +377,7 @@ def sample_grid(state_or_params, config, model, rng, path: str | None = None,
         grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
         num_classes=config.num_classes, num_samples=classes * per_class,
         temperature=sampling.temperature, top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
-        guidance=sampling.get("guidance") if _null_class(config) else None,
+        guidance=sampling_guidance(config),
         mean=vqgan.config.data.mean, std=vqgan.config.data.std, path=path, nrow=per_class,
         scale=sampling.get("png_scale", 1))
     return labels, images
