@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -33,6 +32,7 @@ import optax
 import torch
 
 from attnjax import attention, lpips, sampling, vit
+from attnjax.convert.common import make_torchvision_importable
 from attnjax.convert.lpips import lpips_from_torch
 from attnjax.convert.taming import gpt_from_taming, nlayer_discriminator_from_taming, vqgan_from_taming
 from attnjax.convert.timm import vit_from_timm
@@ -40,22 +40,7 @@ from attnjax.convert.torch_nn import mha_from_torch
 from timing import median_seconds
 
 
-def _make_torchvision_importable():
-    """PyPI's torchvision (imported by timm and lpips) is a CUDA build whose C extension cannot load
-    next to the CPU torch: declare the two operator schemas its Python side expects
-    (tests/conftest.py explains). Returns the schema library, which must outlive the imports."""
-    torchvision_dir = pathlib.Path(importlib.util.find_spec("torchvision").origin).parent
-    try:
-        torch.ops.load_library(str(next(torchvision_dir.glob("_C*.so"))))
-        return None
-    except (OSError, StopIteration):
-        library = torch.library.Library("torchvision", "FRAGMENT")
-        for op in ("nms", "qnms"):
-            library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        return library
-
-
-_TORCHVISION_SCHEMAS = _make_torchvision_importable()
+make_torchvision_importable()  # timm and lpips import torchvision
 DEVICE = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
 LEARNING_RATE = 1e-4
 

@@ -13,7 +13,6 @@ that the logits agree. Prints a table and writes ``benchmarks/results/vit_<platf
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import platform
@@ -25,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from attnjax import vit
+from attnjax.convert.common import make_torchvision_importable
 from attnjax.convert.timm import vit_from_timm
 from timing import median_seconds
 
@@ -87,15 +87,7 @@ def main():
 
     import torch
 
-    # PyPI's torchvision (imported by timm) is a CUDA build whose C extension cannot load next to
-    # the CPU torch: declare the two operator schemas its Python side expects (tests/conftest.py).
-    torchvision_dir = pathlib.Path(importlib.util.find_spec("torchvision").origin).parent
-    try:
-        torch.ops.load_library(str(next(torchvision_dir.glob("_C*.so"))))
-    except (OSError, StopIteration):
-        torchvision_ops = torch.library.Library("torchvision", "FRAGMENT")
-        for op in ("nms", "qnms"):
-            torchvision_ops.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    make_torchvision_importable()  # timm imports torchvision
     from timm.models.vision_transformer import VisionTransformer
 
     shape = vit.variant_config(args.variant)

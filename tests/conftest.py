@@ -3,46 +3,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
+from attnjax.convert.common import make_torchvision_importable  # noqa: E402
 
-def make_torchvision_importable() -> None:
-    """Let ``import torchvision`` (done by timm and lpips) work next to the CPU-only torch wheel.
-
-    PyPI's torchvision is a CUDA build: its C extension links ``libtorch_cuda.so``, which the CPU
-    torch does not ship, so loading it fails and ``import torchvision`` then dies with
-    ``operator torchvision::nms does not exist`` (its Python side registers fake kernels for the
-    ``nms``/``qnms`` operators that only the extension defines). When the extension does not load,
-    this declares those two operator schemas without kernels: everything pure-Python in torchvision
-    (models, transforms) works, and the compiled detection ops raise PyTorch's "no kernel" error.
-    """
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or spec.origin is None:
-        return
-    import torch
-
-    extension = next(pathlib.Path(spec.origin).parent.glob("_C*.so"), None)
-    try:
-        if extension is None:
-            raise OSError("torchvision has no compiled extension")
-        torch.ops.load_library(str(extension))
-        return
-    except OSError:
-        pass
-    library = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in (
-        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    ):
-        library.define(schema)
-    _TORCHVISION_SCHEMAS.append(library)  # a Library undoes its definitions when collected
-
-
-_TORCHVISION_SCHEMAS: list = []
+# timm and lpips import torchvision, whose PyPI build links CUDA libraries the CPU torch lacks.
 make_torchvision_importable()
 
 

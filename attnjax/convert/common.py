@@ -401,3 +401,40 @@ def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: 
     params = jax.tree.map(lambda leaf: jnp.asarray(leaf, model.param_dtype), params)
     check_against_init(model, {"params": params}, jnp.zeros((1, *size, model.in_channels)), where)
     return model, {"params": params}
+
+
+_TORCHVISION_SCHEMAS: list = []
+
+
+def make_torchvision_importable() -> None:
+    """Let ``import torchvision`` (done by timm and lpips) work next to a CPU-only torch wheel.
+
+    PyPI's torchvision is a CUDA build: its compiled extension links ``libtorch_cuda.so``, which the
+    CPU torch does not ship, so it fails to load and ``import torchvision`` then dies on
+    ``operator torchvision::nms does not exist`` (its Python side registers fake kernels for the
+    ``nms``/``qnms`` operators only that extension defines). When the extension does not load, this
+    declares those two schemas without kernels: models and transforms work, and the compiled
+    detection ops raise torch's "no kernel" error. Never run on import: the compare command's
+    timm path, the test setup, the notebooks and the benchmarks call it where they need timm.
+    """
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None or _TORCHVISION_SCHEMAS:
+        return
+    extension = next(pathlib.Path(spec.origin).parent.glob("_C*.so"), None)
+    if extension is not None:
+        try:
+            torch.ops.load_library(str(extension))
+            return
+        except OSError:
+            pass
+    library = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in (
+        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    ):
+        library.define(schema)
+    _TORCHVISION_SCHEMAS.append(library)  # a Library undoes its definitions when collected

@@ -16,7 +16,6 @@ taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family / ``att
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -306,40 +305,6 @@ def _load_weights(torch_model, checkpoint) -> None:
     torch_model.load_state_dict({k: torch.from_numpy(np.array(state[k])) for k in own}, strict=True)
 
 
-def _make_torchvision_importable() -> None:
-    """Let timm's ``import torchvision`` work next to a CPU-only torch.
-
-    PyPI's torchvision is a CUDA build whose compiled extension does not load against CPU torch;
-    its Python side then fails on the ``nms``/``qnms`` operators only that extension defines.
-    Declaring the two schemas (no kernels) is enough for ViTs, which never call them. Done here,
-    on demand, so that importing attnjax never touches torch's operator registry.
-    """
-    import importlib.util
-
-    import torch
-
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or spec.origin is None or _TORCHVISION_SCHEMAS:
-        return
-    extension = next(pathlib.Path(spec.origin).parent.glob("_C*.so"), None)
-    if extension is not None:
-        try:
-            torch.ops.load_library(str(extension))
-            return
-        except OSError:
-            pass
-    if hasattr(torch.ops.torchvision, "nms"):  # declared already, e.g. by the test setup
-        return
-    library = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in (
-        "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    ):
-        library.define(schema)
-    _TORCHVISION_SCHEMAS.append(library)  # a Library undoes its definitions when collected
-
-
-_TORCHVISION_SCHEMAS: list = []
 
 
 def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int = 0):
@@ -349,7 +314,7 @@ def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int =
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if model.startswith("timm:"):
-        _make_torchvision_importable()
+        common.make_torchvision_importable()
         import timm as timm_library
 
         torch_model = timm_library.create_model(model[len("timm:"):], pretrained=False)
