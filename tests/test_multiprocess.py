@@ -1,5 +1,6 @@
 """Several real processes (attnjax/launch.py + jax.distributed over gloo) train what one process
 over as many devices trains, survive being killed, and lay out sharded state across processes."""
+import json
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import threading
 import time
 
 import flax
+import numpy as np
 import pytest
 
 from conftest import assert_close
@@ -54,6 +56,11 @@ def launcher(command, processes, devices_per_process):
 
 def flat_params(workdir, **kwargs):
     return flax.traverse_util.flatten_dict(checkpoint.load(workdir, **kwargs)[1], sep="/")
+
+
+def last_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as lines:
+        return json.loads(lines.readlines()[-1])
 
 
 def finished_steps(workdir):
@@ -106,29 +113,83 @@ def test_two_processes_killed_and_resumed_equal_one_process(digits_dir, tmp_path
         assert_close(best_two[key], value, rtol=1e-5, atol=1e-6, what=f"best {key}")
 
 
-def test_vqgan_two_processes_sharded_equal_one_process(digits_dir, tmp_path):
+# A GroupNorm with one channel per group erases its input's per-channel biases, whose gradients
+# are then rounding noise that Adam would blow up to full steps: SGD, as above.
+VQGAN_FLAGS = ("--config.optimizer=sgd", "--config.learning_rate=0.05",
+               "--config.disc_learning_rate=0.05", "--config.data.eval_split=test[:64]",
+               "--config.model.ddconfig.ch_mult=(1,)", "--config.model.ddconfig.num_res_blocks=1",
+               "--config.batch_size=16", "--config.eval_batch_size=32", "--config.warmup_steps=1",
+               "--config.log_every=2", "--config.eval_every=4", "--config.checkpoint_every=4",
+               "--config.num_train_steps=4", "--config.loss.disc_start=2",
+               "--config.loss.disc_weight=0.5")
+
+
+@pytest.fixture(scope="module")
+def vqgan_workdir(digits_dir, tmp_path_factory):
+    """A tiny VQGAN trained by 1 process x 4 devices: the VQGAN test's reference and the
+    prior test's code source, trained once for both."""
+    workdir = str(tmp_path_factory.mktemp("vqgan_one"))
+    run_one_process(train_command("vqgan_digits.py", digits_dir, workdir, *VQGAN_FLAGS), devices=4)
+    return workdir
+
+
+def test_vqgan_two_processes_sharded_equal_one_process(digits_dir, vqgan_workdir, tmp_path):
     """The VQGAN task (autoencoder + PatchGAN discriminator) with its parameters split over
-    4 devices of 2 processes computes what one process over 4 devices computes. SGD, as above:
-    a GroupNorm with one channel per group erases its input's per-channel biases, whose
-    gradients are then rounding noise that Adam would blow up to full steps."""
-    flags = ("--config.optimizer=sgd", "--config.learning_rate=0.05",
-             "--config.disc_learning_rate=0.05", "--config.data.eval_split=test[:64]", "--config.model.ddconfig.ch_mult=(1,)",
-             "--config.model.ddconfig.num_res_blocks=1", "--config.batch_size=16",
-             "--config.eval_batch_size=32", "--config.warmup_steps=1", "--config.log_every=2",
-             "--config.eval_every=4", "--config.checkpoint_every=4",
-             "--config.num_train_steps=4", "--config.loss.disc_start=2",
-             "--config.loss.disc_weight=0.5")
-    one = str(tmp_path / "one")
-    run_one_process(train_command("vqgan_digits.py", digits_dir, one, *flags), devices=4)
+    4 devices of 2 processes computes what one process over 4 devices computes."""
     two = str(tmp_path / "two")
-    sharded = (*flags, "--config.mesh.data=1", "--config.mesh.fsdp=-1")
+    sharded = (*VQGAN_FLAGS, "--config.mesh.data=1", "--config.mesh.fsdp=-1")
     proc = launcher(train_command("vqgan_digits.py", digits_dir, two, *sharded), 2, 2)
     output, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, output[-4000:]
-    reference, got = flat_params(one, use_ema=False), flat_params(two, use_ema=False)
+    reference = flat_params(vqgan_workdir, use_ema=False)
+    got = flat_params(two, use_ema=False)
     assert sorted(got) == sorted(reference)
     for key, value in reference.items():
         assert_close(got[key], value, rtol=1e-5, atol=1e-6, what=key)
+
+
+def test_prior_two_processes_sharded_equal_one_process(vqgan_workdir, tmp_path):
+    """The prior task on 2 processes x 2 devices (mesh data=2, fsdp=2) encodes the VQGAN's
+    dataset to the codes one process encodes (both write the same cache files, each through its
+    own temporary file, and leave nothing else behind), and trains the GPT to the parameters of
+    1 process x 4 devices over the same mesh. SGD, as above: softmax ignores the attention key
+    biases, so their gradient is rounding noise."""
+    flags = ("--config.optimizer=sgd", "--config.learning_rate=0.3", "--config.weight_decay=0",
+             "--config.data.train_shifts=0", "--config.model.n_layer=1",
+             "--config.model.n_head=2", "--config.model.n_embd=32", "--config.batch_size=16",
+             "--config.eval_batch_size=32", "--config.warmup_steps=1", "--config.log_every=2",
+             "--config.eval_every=4", "--config.checkpoint_every=4",
+             "--config.num_train_steps=4", "--config.sampling.per_class=1",
+             f"--config.vqgan_workdir={vqgan_workdir}", "--config.mesh.fsdp=2")
+
+    def prior_command(workdir, codes_dir):  # the data (and data_dir) are the VQGAN run's
+        return ["train.py", f"--config={os.path.join(ROOT, 'configs', 'prior_digits.py')}",
+                f"--workdir={workdir}", *flags, f"--config.codes_cache_dir={codes_dir}"]
+
+    one, one_codes = str(tmp_path / "one"), str(tmp_path / "one_codes")
+    two, two_codes = str(tmp_path / "two"), str(tmp_path / "two_codes")
+    run_one_process(prior_command(one, one_codes), devices=4)
+    proc = launcher(prior_command(two, two_codes), 2, 2)
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output[-4000:]
+    assert "[p0] final:" in output and "[p1] final:" in output, output[-3000:]
+
+    assert sorted(os.listdir(two_codes)) == sorted(os.listdir(one_codes))
+    for name in os.listdir(one_codes):
+        with np.load(os.path.join(one_codes, name)) as expected, \
+                np.load(os.path.join(two_codes, name)) as got:
+            np.testing.assert_array_equal(got["codes"], expected["codes"], err_msg=name)
+            np.testing.assert_array_equal(got["labels"], expected["labels"], err_msg=name)
+    reference, got = flat_params(one), flat_params(two)
+    assert sorted(got) == sorted(reference)
+    for key, value in reference.items():
+        assert_close(got[key], value, rtol=1e-5, atol=1e-6, what=key)
+    final_eval = last_metrics(one)
+    assert "eval/nll" in final_eval, final_eval
+    for key, value in final_eval.items():
+        assert_close(last_metrics(two)[key], value, rtol=1e-5, atol=1e-6, what=key)
+    # Drawn by process 0 from parameters gathered off both processes.
+    assert os.path.exists(os.path.join(two, "samples", "000004.png"))
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
