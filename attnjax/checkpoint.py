@@ -159,10 +159,9 @@ class Checkpointer:
         steps = list(self.manager.all_steps())
         if not steps:
             return None, state
-        step, state, _ = checkpoint_integrity.restore_newest_intact(
-            str(self.manager.directory), steps, lambda step: (self.restore(state, iterator, step), None),
+        return checkpoint_integrity.restore_newest_intact(
+            str(self.manager.directory), steps, lambda step: self.restore(state, iterator, step),
             on_moved=self.manager.reload)
-        return step, state
 
     def close(self) -> None:
         """Waits for pending asynchronous writes."""

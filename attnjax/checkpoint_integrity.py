@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -50,16 +50,16 @@ def move_aside(directory: str, step: int) -> str:
     return target
 
 
-def restore_newest_intact(directory: str, steps: list[int], restore: Callable[[int], tuple],
+def restore_newest_intact(directory: str, steps: list[int], restore: Callable[[int], Any],
                           on_moved: Callable[[], None] = lambda: None):
-    """``restore(step) -> (state, data_state)`` of the newest of ``steps`` that restores with
-    finite values -> ``(step, state, data_state)``; damaged ones are moved aside with a warning
+    """``restore(step) -> state`` of the newest of ``steps`` that restores with finite values
+    -> ``(step, state)``; damaged ones are moved aside with a warning
     and ``on_moved()`` called (to rescan the directory). Raises ``DamagedCheckpointError``
     (one line naming the directory and steps) when none is intact."""
     damaged = []
     for step in sorted(steps, reverse=True):
         try:
-            state, data_state = restore(step)
+            state = restore(step)
             if not _all_finite(state):
                 raise ValueError("non-finite values")
         except Exception as error:  # any failure to read a step means that step is unusable
@@ -75,7 +75,7 @@ def restore_newest_intact(directory: str, steps: list[int], restore: Callable[[i
         if damaged:
             logging.warning("resuming from step %d: the newer checkpoint(s) %s were damaged",
                             step, damaged)
-        return step, state, data_state
+        return step, state
     raise DamagedCheckpointError(
         f"no intact checkpoint in {directory}: step(s) {damaged} could not be restored (moved "
         f"to {DAMAGED_PREFIX}<step> for inspection); start a new --workdir, or move one back.")
