@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax import convolution
+
 Array = jax.Array
 
 # torchvision ``vgg16().features``: (index in the Sequential, output channels) of each conv;
@@ -46,7 +48,8 @@ class VGG16Features(nn.Module):
         for index, channels in VGG16_CONVS:
             if index in POOL_BEFORE:
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
-            x = nn.relu(nn.Conv(channels, (3, 3), padding=((1, 1), (1, 1)), name=f"features_{index}")(x))
+            x = nn.relu(nn.Conv(channels, (3, 3), padding=((1, 1), (1, 1)), name=f"features_{index}",
+                                conv_general_dilated=convolution.conv_general_dilated)(x))
             if index in TAPS:
                 taps.append(x)
         return taps

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attnjax import convolution
 from attnjax.attention import dot_product_attention
 
 Array = jax.Array
@@ -36,7 +37,8 @@ def _normalize(name: str) -> nn.GroupNorm:
 
 def _conv(features: int, kernel: int, name: str, stride: int = 1, padding: Any = "SAME") -> nn.Conv:
     pad = ((kernel // 2, kernel // 2),) * 2 if padding == "SAME" else padding
-    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=pad, name=name)
+    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=pad, name=name,
+                   conv_general_dilated=convolution.conv_general_dilated)
 
 
 class ResnetBlock(nn.Module):
@@ -213,10 +215,7 @@ def codebook_statistics(indices: Array, n_embed: int, weights: Array | None = No
         flat_weights = jnp.repeat(weights, indices.size // max(indices.shape[0], 1))
     counts = jnp.bincount(indices.reshape(-1), flat_weights, length=n_embed).astype(jnp.float32)
     probs = counts / jnp.maximum(counts.sum(), 1e-10)
-    return {
-        "perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))),
-        "codebook_usage": jnp.mean(counts > 0),
-    }
+    return {"perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))), "codebook_usage": jnp.mean(counts > 0)}
 
 
 class VectorQuantizer(nn.Module):
@@ -486,7 +485,7 @@ class NLayerDiscriminator(nn.Module):
     def _conv(self, features: int, stride: int, bias: bool, index: int) -> nn.Conv:
         return nn.Conv(features, (4, 4), strides=(stride, stride), padding=((1, 1), (1, 1)),
                        use_bias=bias, kernel_init=nn.initializers.normal(0.02),  # taming's weights_init
-                       name=f"main_{index}")
+                       name=f"main_{index}", conv_general_dilated=convolution.conv_general_dilated)
 
     def _norm(self, name: str, train: bool):
         if self.norm == "batch":

@@ -27,6 +27,7 @@ PACKAGE = ROOT / "attnjax"
 LAYERS = {
     "attnjax": 0,  # the package __init__: a docstring and a version
     "attnjax.blocked_attention": 0,
+    "attnjax.convolution": 0,
     "attnjax.attention": 0.1,
     "attnjax.positional": 0,
     **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling", "transformer",
