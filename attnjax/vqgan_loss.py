@@ -55,19 +55,18 @@ def nll_loss(inputs: Array, reconstructions: Array, perceptual: Callable | None 
     return jnp.mean(rec)
 
 
-def last_layer_grad(loss_of_output: Callable[[Array], Array], output: Array, features: Array,
-                    kernel: Array) -> Array:
-    """Gradient of ``loss_of_output(output)`` with respect to the last conv's ``kernel``.
+def last_layer_grad(output_grad: Array, features: Array, kernel: Array) -> Array:
+    """Gradient with respect to the last conv's ``kernel``, given the gradient at its ``output``.
 
     ``output = conv3x3(features, kernel) + bias`` (SAME padding), ``features [b, h, w, c_in]``,
     ``kernel [3, 3, c_in, c_out]``. The conv is linear in its kernel, so the chain rule needs only
-    the gradient at ``output`` and the transpose of ``kernel -> conv(features, kernel)``.
+    ``output_grad`` and the transpose of ``kernel -> conv(features, kernel)``.
     """
     def conv(k):
         return jax.lax.conv_general_dilated(features, k, (1, 1), ((1, 1), (1, 1)),
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
-    (grad,) = jax.linear_transpose(conv, kernel)(jax.grad(loss_of_output)(output))
+    (grad,) = jax.linear_transpose(conv, kernel)(output_grad)
     return grad
 
 
@@ -90,22 +89,26 @@ def generator_loss(inputs: Array, reconstructions: Array, codebook_loss: Array, 
       step: the global step (``disc_start`` gating).
       last_layer: ``(features entering the decoder's conv_out, its kernel)``.
       perceptual: ``(x, y) -> [b]`` LPIPS distances, used when ``perceptual_weight > 0``.
+
+    The adaptive weight needs the gradients of ``nll`` and ``g_loss`` at the reconstructions, and
+    so does the update: each is computed once (one LPIPS and one discriminator backward pass,
+    where taming runs each twice) and enters the returned loss through
+    ``sum(sg(d_loss/d_rec) * (rec - sg(rec)))``, which is 0 in value and has exactly that gradient.
     """
-    nll_of = lambda r: nll_loss(inputs, r, perceptual, perceptual_weight)
-    nll = nll_of(reconstructions)
+    rec = jax.lax.stop_gradient(reconstructions)
+    nll, rec_grad = jax.value_and_grad(lambda r: nll_loss(inputs, r, perceptual, perceptual_weight))(rec)
     loss = nll + codebook_weight * codebook_loss
     log = {"nll_loss": nll, "quant_loss": codebook_loss}
     if discriminator is not None:
-        g_of = lambda r: adversarial_generator_loss(discriminator(r))
-        g_loss = g_of(reconstructions)
-        # The weight is a constant of the update: computing it on stopped values spares JAX
-        # from differentiating through the inner gradients.
-        rec, features, kernel = jax.lax.stop_gradient((reconstructions, *last_layer))
-        d_weight = adaptive_weight(last_layer_grad(nll_of, rec, features, kernel),
-                                   last_layer_grad(g_of, rec, features, kernel), disc_weight)
+        g_loss, g_grad = jax.value_and_grad(lambda r: adversarial_generator_loss(discriminator(r)))(rec)
+        features, kernel = jax.lax.stop_gradient(last_layer)
+        d_weight = adaptive_weight(last_layer_grad(rec_grad, features, kernel),
+                                   last_layer_grad(g_grad, features, kernel), disc_weight)
         factor = disc_factor_at(step, disc_start, disc_factor)
         loss = loss + d_weight * factor * g_loss
+        rec_grad = rec_grad + d_weight * factor * g_grad
         log.update(g_loss=g_loss, d_weight=d_weight, disc_factor=factor)
+    loss = loss + jnp.sum(jax.lax.stop_gradient(rec_grad) * (reconstructions - rec))
     log["total_loss"] = loss
     return loss, log
 
