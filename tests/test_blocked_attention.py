@@ -203,7 +203,8 @@ def test_dispatch_rule():
     assert choose("gpu", jnp.float32, 16384, 16384, 64, 64) == "blocked"
     assert choose("gpu", jnp.float16, 256, 256, 64, 64) is None
     assert choose("cpu", jnp.float32, 197, 197, 64, 64) == "explicit"
-    assert choose("cpu", jnp.float32, 65, 65, 64, 64) is None
+    assert choose("cpu", jnp.float32, 65, 65, 64, 64) == "explicit"  # the CIFAR ViT's 64 patches + class
+    assert choose("cpu", jnp.float32, 63, 63, 64, 64) is None
 
 
 def test_default_dispatch_takes_blocked_path_for_long_sequences():
