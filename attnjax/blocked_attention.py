@@ -103,10 +103,14 @@ def _rows(x, start, size):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
 
 
-def _scores(q_tile, k_tile, keep, bias, block: _Blocks, query_start, key_start):
-    """Scaled scores of one tile and where they are allowed: (``[b, h, bq, bk]`` f32, bool)."""
+def _scores(q_tile, k_tile, keep, bias, block: _Blocks, query_start, key_start, masked=True):
+    """Scaled scores of one tile and where they are allowed: (``[b, h, bq, bk]`` f32, bool or
+    None for a tile that ``masked=False`` declares wholly allowed)."""
     scores = jnp.einsum("bhqd,bhkd->bhqk", q_tile, k_tile, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(block.scale)
+    if block.scale != 1.0:
+        scores = scores * jnp.float32(block.scale)
+    if not masked:
+        return scores, None
     tile_bias = _tile(bias, block, query_start, key_start)
     if tile_bias is not None:
         scores = scores + tile_bias.astype(jnp.float32)
@@ -121,12 +125,27 @@ def _scores(q_tile, k_tile, keep, bias, block: _Blocks, query_start, key_start):
     return scores, allowed
 
 
-def _key_blocks_for(block: _Blocks, query_block_index, num_key_blocks: int):
-    """How many leading key blocks a query block needs (all, or up to the causal diagonal)."""
+def _key_blocks_for(block: _Blocks, query_block_index, num_key_blocks: int, masked: bool):
+    """How many leading key blocks a query block needs (all, or up to the causal diagonal), and
+    how many of those it sees whole (no mask, no padded key, below the diagonal): their tiles
+    skip the masking."""
+    full = block.key_length // block.key_block if not masked else 0
     if not block.is_causal:
-        return num_key_blocks
+        return num_key_blocks, full
     last_query = (query_block_index + 1) * block.query_block - 1
-    return jnp.minimum(num_key_blocks, last_query // block.key_block + 1)
+    return (jnp.minimum(num_key_blocks, last_query // block.key_block + 1),
+            jnp.minimum(full, (query_block_index * block.query_block + 1) // block.key_block))
+
+
+def _query_blocks_from(block: _Blocks, key_block_index, num_query_blocks: int, masked: bool):
+    """The first query block that sees a key block, and the first that sees it whole."""
+    key_start = key_block_index * block.key_block
+    first = key_start // block.query_block if block.is_causal else 0
+    if masked:
+        return first, num_query_blocks
+    key_end = key_start + block.key_block - 1
+    whole = -(-key_end // block.query_block) if block.is_causal else 0
+    return first, jnp.where(key_end >= block.key_length, num_query_blocks, whole)
 
 
 def _forward(query, key, value, keep, bias, block: _Blocks):
@@ -141,12 +160,13 @@ def _forward(query, key, value, keep, bias, block: _Blocks):
         query_start = i * block.query_block
         q_tile = _rows(query, query_start, block.query_block)
 
-        def key_step(j, state):
+        def key_step(j, state, masked=True):
             acc, row_max, row_sum = state
             key_start = j * block.key_block
             scores, allowed = _scores(q_tile, _rows(key, key_start, block.key_block), keep, bias,
-                                      block, query_start, key_start)
-            scores = jnp.where(allowed, scores, -jnp.inf)
+                                      block, query_start, key_start, masked)
+            if allowed is not None:
+                scores = jnp.where(allowed, scores, -jnp.inf)
             new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
             # A row with nothing allowed yet has max -inf; shifting by 0 keeps exp() at 0, not NaN.
             shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
@@ -163,8 +183,9 @@ def _forward(query, key, value, keep, bias, block: _Blocks):
             jnp.full((batch, heads, block.query_block), -jnp.inf, jnp.float32),
             jnp.zeros((batch, heads, block.query_block), jnp.float32),
         )
-        acc, row_max, row_sum = jax.lax.fori_loop(
-            0, _key_blocks_for(block, i, num_key_blocks), key_step, init)
+        needed, whole = _key_blocks_for(block, i, num_key_blocks, keep is not None or bias is not None)
+        state = jax.lax.fori_loop(0, whole, functools.partial(key_step, masked=False), init)
+        acc, row_max, row_sum = jax.lax.fori_loop(whole, needed, key_step, state)
         empty = row_sum == 0.0
         tile_out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, row_sum)[..., None])
         # +inf for an empty row makes every recomputed probability exp(s - inf) = 0 in backward.
@@ -197,16 +218,18 @@ def _backward(block: _Blocks, residuals, d_out):
         k_tile = _rows(key, key_start, block.key_block)
         v_tile = _rows(value, key_start, block.key_block)
         # Under a causal mask the query blocks that end before this key block see none of it.
-        first = (key_start // block.query_block) if block.is_causal else 0
+        first, whole = _query_blocks_from(block, j, num_query_blocks, keep is not None or bias is not None)
 
-        def query_step(i, state):
+        def query_step(i, state, masked=True):
             d_query, dk_tile, dv_tile, d_bias = state
             query_start = i * block.query_block
             q_tile = _rows(query, query_start, block.query_block)
             do_tile = _rows(d_out, query_start, block.query_block)
-            scores, allowed = _scores(q_tile, k_tile, keep, bias, block, query_start, key_start)
+            scores, allowed = _scores(q_tile, k_tile, keep, bias, block, query_start, key_start, masked)
             lse_tile = _rows(lse, query_start, block.query_block)
-            probs = jnp.where(allowed, jnp.exp(scores - lse_tile[..., None]), 0.0)
+            probs = jnp.exp(scores - lse_tile[..., None])
+            if allowed is not None:
+                probs = jnp.where(allowed, probs, 0.0)
             dv_tile = dv_tile + jnp.einsum("bhqk,bhqd->bhkd", probs.astype(do_tile.dtype), do_tile,
                                            preferred_element_type=jnp.float32)
             d_probs = jnp.einsum("bhqd,bhkd->bhqk", do_tile, v_tile, preferred_element_type=jnp.float32)
@@ -217,7 +240,8 @@ def _backward(block: _Blocks, residuals, d_out):
                 tile = _reduce_to(d_scores, d_bias.shape)
                 current = jax.lax.dynamic_slice(d_bias, starts, tile.shape)
                 d_bias = jax.lax.dynamic_update_slice(d_bias, current + tile, starts)
-            d_scores = d_scores * jnp.float32(block.scale)
+            if block.scale != 1.0:
+                d_scores = d_scores * jnp.float32(block.scale)
             dk_tile = dk_tile + jnp.einsum("bhqk,bhqd->bhkd", d_scores, q_tile,
                                            preferred_element_type=jnp.float32)
             dq_tile = jnp.einsum("bhqk,bhkd->bhqd", d_scores, k_tile, preferred_element_type=jnp.float32)
@@ -226,7 +250,10 @@ def _backward(block: _Blocks, residuals, d_out):
             return d_query, dk_tile, dv_tile, d_bias
 
         init = (d_query, jnp.zeros(k_tile.shape, jnp.float32), jnp.zeros(v_tile.shape, jnp.float32), d_bias)
-        d_query, dk_tile, dv_tile, d_bias = jax.lax.fori_loop(first, num_query_blocks, query_step, init)
+        whole = jnp.minimum(jnp.maximum(first, whole), num_query_blocks)
+        state = jax.lax.fori_loop(first, whole, query_step, init)
+        d_query, dk_tile, dv_tile, d_bias = jax.lax.fori_loop(
+            whole, num_query_blocks, functools.partial(query_step, masked=False), state)
         d_key = jax.lax.dynamic_update_slice_in_dim(d_key, dk_tile, key_start, 2)
         d_value = jax.lax.dynamic_update_slice_in_dim(d_value, dv_tile, key_start, 2)
         return d_query, d_key, d_value, d_bias
@@ -323,8 +350,9 @@ def blocked_dot_product_attention(query, key, value, mask=None, *, is_causal: bo
             raise ValueError(f"blocked_dot_product_attention: mask must be boolean (True = attend) or "
                              f"floating (added), got {mask.dtype}")
     query_block, key_block = min(query_block, length), min(key_block, key_length)
-    block = _Blocks(float(1.0 / math.sqrt(depth) if scale is None else scale), bool(is_causal),
-                    query_block, key_block, length, key_length)
+    # The scale goes into the query once instead of into every tile of scores and their gradients.
+    query = query * jnp.asarray(1.0 / math.sqrt(depth) if scale is None else scale, query.dtype)
+    block = _Blocks(1.0, bool(is_causal), query_block, key_block, length, key_length)
     padded_length = -(-length // query_block) * query_block
     padded_keys = -(-key_length // key_block) * key_block
 
