@@ -209,6 +209,27 @@ SHARDED = textwrap.dedent("""
             "pmap_stats": {k: [float(pmapped[2][k].min()), float(pmapped[2][k].max()), float(ref[2][k])]
                            for k in keys if k != "loss"},
         }
+    # The VQGAN task's step under pmap (2 examples per device) equals one device on the batch.
+    from functools import partial
+    from configs import vqgan_digits
+    from attnjax.tasks import vqgan as vqgan_task
+    config = vqgan_digits.get_config()
+    config.model.ddconfig.update(ch=32, ch_mult=(1, 2), num_res_blocks=1, resolution=8)
+    config.model.update(n_embed=16, embed_dim=4)
+    config.model.quantizer.kind = "lfq"
+    model = vqgan_task.create_model(config)
+    images = np.random.default_rng(1).uniform(-1, 1, (16, 8, 8, 1)).astype(np.float32)
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, {"image": images})
+    step = partial(vqgan_task.train_step, config=config, model=model)
+    one_state, one_metrics = jax.jit(step)(state, {"image": images}, jax.random.PRNGKey(1))
+    p_state, p_metrics = jax.pmap(partial(step, axis_name="data"), axis_name="data", in_axes=(0, 0, None))(
+        jax.tree.map(lambda x: jnp.stack([x] * 8), state), {"image": images.reshape(8, 2, 8, 8, 1)},
+        jax.random.PRNGKey(1))
+    out["vqgan_task_pmap"] = {
+        "metrics": {k: [float(p_metrics[k][0]), float(one_metrics[k])] for k in ("loss", "perplexity", "codebook_usage")},
+        "params": max(float(jnp.max(jnp.abs(a[0] - b))) for a, b in zip(jax.tree.leaves(p_state.params),
+                                                                        jax.tree.leaves(one_state.params))),
+    }
     print(json.dumps(out))
 """)
 
@@ -220,6 +241,10 @@ def test_statistics_on_8_devices_equal_one_device():
                             cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    task = out.pop("vqgan_task_pmap")
+    for key, (pmapped, one) in task["metrics"].items():
+        assert_close(pmapped, one, rtol=1e-5, atol=1e-6, what=f"VQGAN task {key} under pmap (lfq)")
+    assert task["params"] < 1e-5, task
     for kind, r in out.items():
         assert r["jit"] < 1e-5 and r["jit_grad"] < 1e-5, (kind, r)
         assert r["pmap_outputs"] < 1e-5 and r["pmap_indices"], (kind, r)

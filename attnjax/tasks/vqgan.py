@@ -157,6 +157,10 @@ def _perceptual_fn(state, model, config):
 
 def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     autoencoder, disc = model["autoencoder"], model["discriminator"]
+    if axis_name is not None:
+        # Under pmap the quantizer's batch statistics (usage, LFQ's entropy of the mean code
+        # distribution) must span every device's examples, not one device's.
+        autoencoder = autoencoder.clone(quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name})
     tx, disc_tx = _optimizers(config)
     x, step, loss_config = batch["image"], state.step, config.loss
     perceptual = _perceptual_fn(state, model, config)
