@@ -23,6 +23,8 @@ Preparing a TFDS dataset that is not on disk yet needs TensorFlow
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 from typing import Any, Callable, NamedTuple
@@ -122,6 +124,19 @@ def default_data_dir(data_dir: str | None = None) -> str:
     return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
 
 
+@contextlib.contextmanager
+def _preparation_lock(data_dir: str, name: str):
+    """One process at a time prepares ``name`` in ``data_dir`` (runs started together on a fresh
+    machine all find it unprepared)."""
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, f".{name}.prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def load_source(name: str, split: str, data_dir: str | None = None):
     """Random-access TFDS source for ``name``/``split``; prepares embedded datasets on first use."""
     data_dir = default_data_dir(data_dir)
@@ -131,7 +146,11 @@ def load_source(name: str, split: str, data_dir: str | None = None):
         raise ValueError(f"config.data.name={name!r} is not a TFDS dataset (nor an embedded one: "
                          f"{[b.name for b in EMBEDDED_BUILDERS]}).") from e
     if isinstance(builder, EMBEDDED_BUILDERS) and not builder.is_prepared():
-        builder.download_and_prepare(file_format="array_record")
+        with _preparation_lock(data_dir, name):
+            # Another process may have finished while this one waited: TFDS would then fail to
+            # rename its own copy onto the finished one.
+            if not tfds.builder(name, data_dir=data_dir).is_prepared():
+                builder.download_and_prepare(file_format="array_record")
     try:
         return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except (NotImplementedError, FileNotFoundError, AssertionError) as e:

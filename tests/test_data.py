@@ -1,6 +1,9 @@
 """attnjax/data.py: the embedded digits dataset and the TFDS data_source + grain pipeline."""
 import importlib.util
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -169,3 +172,27 @@ def test_batch_size_must_divide_over_processes(digits_config):
     digits_config.batch_size = 33
     with pytest.raises(ValueError, match="config.batch_size=33"):
         data.make_datasets(digits_config, process_index=0, process_count=2)
+
+
+_PREPARE_WHEN_TOLD = """
+import os, sys, time
+from attnjax import data
+go, data_dir = sys.argv[1], sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.005)
+print(len(data.load_source("digits", "train", data_dir)))
+"""
+
+
+def test_processes_started_together_prepare_the_digits_once(tmp_path):
+    """Runs launched at once on a fresh machine all find the digits unprepared; without a lock the
+    later ones fail renaming their copy onto the first one's."""
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _PREPARE_WHEN_TOLD, str(go), str(tmp_path / "tfds")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    # Every process has imported TFDS and is polling before any starts preparing.
+    time.sleep(8)
+    go.touch()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-500:] for _, err in results]
+    assert [out.strip().splitlines()[-1] for out, _ in results] == ["1437"] * 3
