@@ -371,3 +371,12 @@ def test_task_registry_protocol():
                ("create_model", "create_train_state", "train_step", "eval_step"))
     with pytest.raises(ValueError, match="config.task='gan'"):
         get_task("gan")
+
+
+def test_step_keys_from_host_memory_are_the_per_step_fold_in():
+    from attnjax.tasks.loop import _StepKeys
+    train_rng = jax.random.split(jax.random.PRNGKey(7))[1]
+    keys = _StepKeys(train_rng, chunk=8)
+    # In order, across chunk boundaries, then backwards and far ahead (a resumed run starts anywhere).
+    for index in list(range(20)) + [3, 1000, 999, 7]:
+        np.testing.assert_array_equal(keys(index), np.asarray(jax.random.fold_in(train_rng, index)))

@@ -14,6 +14,7 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 from absl import logging
@@ -52,6 +53,24 @@ def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, wo
             task.write_images(whole, first, config=config, model=model, workdir=workdir,
                               step=step)
     return metrics
+
+
+class _StepKeys:
+    """``fold_in(train_rng, i)`` for step ``i``, computed ``chunk`` steps at a time into host memory.
+
+    A key made on the device per step is a small computation queued behind the running step, and
+    the loop waits for it before it can dispatch the next one; keys from host memory let the
+    loop run ahead of the device, as it does with batches. Same keys as folding in one by one."""
+
+    def __init__(self, train_rng, chunk: int):
+        self.train_rng, self.chunk, self.first, self.keys = train_rng, max(int(chunk), 1), None, None
+
+    def __call__(self, index: int) -> np.ndarray:
+        if self.first is None or not self.first <= index < self.first + self.chunk:
+            self.first = index
+            fold = jax.vmap(lambda i: jax.random.fold_in(self.train_rng, i))
+            self.keys = np.asarray(fold(jnp.arange(index, index + self.chunk, dtype=jnp.uint32)))
+        return self.keys[index - self.first]
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -109,6 +128,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
     watch = nonfinite.NonfiniteWatch(config, start)
 
+    step_keys = _StepKeys(train_rng, config.log_every)
+
     def check_pending_finite(step):
         """Before a save: the flags of the steps not yet fetched (one small transfer)."""
         watch.check(step, dp.fetch([m["nonfinite"] for m in pending]))
@@ -123,7 +144,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     try:
         for step in range(start + 1, num_steps + 1):
             batch, data_state = next(batches)
-            state, metrics = compiled_train_step(state, batch, jax.random.fold_in(train_rng, step - 1))
+            state, metrics = compiled_train_step(state, batch, step_keys(step - 1))
             pending.append(metrics)
             bar.update(1)
             if step % config.log_every == 0 or step == num_steps:
