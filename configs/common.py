@@ -82,7 +82,8 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         rotation_trick=False,             # vq, simvq: rotate onto the code instead of copying
         legacy=False, l2_normalize=False, lookup_dim=0, ema_decay=0.0, usage_decay=0.0,
         fsq_levels=(),                    # fsq: () -> quantizers.FSQ_LEVELS[n_embed]
-        lfq_entropy_weight=0.1))          # lfq: MAGVIT-v2's entropy weight
+        lfq_entropy_weight=0.1,           # lfq: MAGVIT-v2's entropy weight
+        lfq_commitment_weight=0.25))      # lfq: its commitment weight (MAGVIT-v2's), not model.beta
     config.reseed_threshold = 0.0         # >0: re-seed codes used below this share of uniform
     config.loss = ml_collections.ConfigDict(dict(
         disc_start=0, disc_weight=0.0,    # disc_weight 0: no discriminator

@@ -96,6 +96,13 @@ def test_lfq_signs_binary_indices_and_entropy_terms(np_rng):
     assert_close(aux["loss"], beta * commitment + weight * (per_sample - diversity * batch), what="LFQ loss")
     assert_close(np.asarray(quantizer.apply(variables, method=type(quantizer).codebook)), codes,
                  what="LFQ codebook in index order")
+    # lfq_commitment_weight replaces the shared beta for this kind alone.
+    reweighted = quantizers.make_quantizer(2**d, d, beta, kind="lfq", lfq_entropy_weight=weight,
+                                           lfq_diversity=diversity, lfq_temperature=temperature,
+                                           lfq_commitment_weight=0.01)
+    _, _, aux = reweighted.apply(variables, jnp.asarray(z))
+    assert_close(aux["loss"], 0.01 * commitment + weight * (per_sample - diversity * batch),
+                 what="LFQ loss with lfq_commitment_weight")
 
 
 @pytest.mark.parametrize("kind", ["vq", "simvq"])
