@@ -15,11 +15,23 @@ its convolution library: measured on a 2-core EPYC, a 3x3 512->512 conv on a [32
 input takes 183 ms forward and 186 ms for the input gradient, against 7.7 ms forward + backward
 as patches (LPIPS's VGG16 on 32-pixel images, the PatchGAN discriminator's last layers). The
 patches are at most ``kh * kw`` times a feature map that small, and their gradient is slices and
-pads, with no convolution left for XLA to lower. Every other case is ``lax.conv_general_dilated``.
+pads, with no convolution left for XLA to lower.
+
+From 16x16 output maps the forward pass and the input gradient stay on ``lax.conv_general_dilated``
+but the kernel gradient is taken as ``kh * kw`` matrix products instead of the convolution XLA
+derives for it::
+
+    d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out   [c_in, c_out]
+
+XLA:CPU's kernel-gradient convolution is its slowest: for a 3x3 64->64 conv on [16, 32, 32, 64]
+it takes 124 ms against 26 ms forward and 36 ms for the input gradient, and 128->128 312 ms;
+as products 51 and 125 ms (``benchmarks/conv_layers.py``, 2-core EPYC). Below 16x16 XLA's own is
+as fast or faster (3.5 against 4.3 ms at 8x8). Every other case is ``lax.conv_general_dilated``.
 Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py``).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -65,10 +77,44 @@ def conv_as_patches(lhs: Array, rhs: Array, strides: Sequence[int], pads: Sequen
     return jnp.einsum("bhwk,ko->bhwo", patches, rhs.reshape(kh * kw * c_in, c_out), precision=precision)
 
 
+# Output maps of at least this many positions take the matrix-product kernel gradient.
+PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def conv_with_product_kernel_grad(lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None) -> Array:
+    """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix products."""
+    return lax.conv_general_dilated(lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision)
+
+
+def _product_kernel_grad_fwd(lhs, rhs, strides, pads, precision):
+    return conv_with_product_kernel_grad(lhs, rhs, strides, pads, precision), (lhs, rhs)
+
+
+def _product_kernel_grad_bwd(strides, pads, precision, residuals, d_out):
+    lhs, rhs = residuals
+    _, input_vjp = jax.vjp(lambda x: lax.conv_general_dilated(x, rhs, strides, pads, dimension_numbers=_NHWC,
+                                                              precision=precision), lhs)
+    (d_lhs,) = input_vjp(d_out)
+    kh, kw = rhs.shape[:2]
+    (sh, sw), (pad_h, pad_w) = strides, pads
+    padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
+    out_h, out_w = d_out.shape[1:3]
+    d_rhs = jnp.stack([
+        jnp.einsum("bhwc,bhwo->co", padded[:, di:di + (out_h - 1) * sh + 1:sh, dj:dj + (out_w - 1) * sw + 1:sw, :],
+                   d_out, precision=precision)
+        for di in range(kh) for dj in range(kw)])
+    return d_lhs, d_rhs.reshape(rhs.shape).astype(rhs.dtype)
+
+
+conv_with_product_kernel_grad.defvjp(_product_kernel_grad_fwd, _product_kernel_grad_bwd)
+
+
 def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], padding, lhs_dilation=None,
                          rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
                          batch_group_count: int = 1, precision=None, preferred_element_type=None) -> Array:
-    """``lax.conv_general_dilated``, as patches times a matrix where XLA:CPU's kernels do not apply."""
+    """``lax.conv_general_dilated``, as patches times a matrix where XLA:CPU's kernels do not apply,
+    with a matrix-product kernel gradient on large maps."""
     plain = (lhs.ndim == 4 and _is_nhwc(dimension_numbers, lhs, rhs) and feature_group_count == 1
              and batch_group_count == 1 and preferred_element_type is None
              and all(d == 1 for d in (lhs_dilation or (1, 1))) and all(d == 1 for d in (rhs_dilation or (1, 1))))
@@ -76,6 +122,12 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
         pads = _pads(padding, lhs.shape[1:3], rhs.shape[:2], window_strides)
         if needs_patches(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
             return conv_as_patches(lhs, rhs, window_strides, pads, precision)
+        out_positions = 1
+        for n, k, st, (lo, hi) in zip(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
+            out_positions *= (n + lo + hi - k) // st + 1
+        if out_positions >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS and min(min(p) for p in pads) >= 0:
+            return conv_with_product_kernel_grad(lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)),
+                                                 precision)
     return lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
         dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,

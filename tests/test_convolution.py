@@ -69,3 +69,40 @@ def test_flax_conv_with_it_equals_flax_conv():
     patched = nn.Conv(5, (3, 3), padding="SAME", conv_general_dilated=convolution.conv_general_dilated)
     variables = plain.init(jax.random.PRNGKey(0), x)
     np.testing.assert_allclose(patched.apply(variables, x), plain.apply(variables, x), rtol=1e-5, atol=1e-6)
+
+
+# (input, kernel, c_out, stride, padding) with output maps of 16x16 and more: the kernel gradient
+# is taken as matrix products.
+LARGE_MAPS = [
+    ((2, 16, 16, 6), 3, 5, 1, ((1, 1), (1, 1))),   # taming's 3x3 convs
+    ((2, 33, 33, 4), 3, 3, 2, ((0, 1), (0, 1))),   # its stride-2 downsampling with the asymmetric pad
+    ((1, 16, 20, 3), 1, 4, 1, "VALID"),            # 1x1 (nin_shortcut), non-square
+    ((2, 18, 17, 3), 4, 2, 1, "SAME"),             # even kernel, string padding
+]
+
+
+@pytest.mark.parametrize("shape,kernel,c_out,stride,padding", LARGE_MAPS)
+def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(shape, kernel, c_out, stride,
+                                                                             padding):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((kernel, kernel, shape[-1], c_out)).astype(np.float32)
+    loss = lambda conv: jax.grad(lambda *a: _loss(conv, *a, stride, padding), (0, 1), has_aux=True)
+    (dx, dw), out = jax.jit(loss(convolution.conv_general_dilated))(x, w)
+    (dx_ref, dw_ref), out_ref = loss(lax.conv_general_dilated)(x, w)
+    for ours, ref in ((out, out_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+    # The kernel gradient against torch's conv2d backward in float64, an independent reference.
+    pads = convolution._pads(padding, shape[1:3], (kernel, kernel), (stride, stride))
+    (top, bottom), (left, right) = pads
+    tx = torch.from_numpy(x.astype(np.float64)).permute(0, 3, 1, 2)
+    tw = torch.from_numpy(w.astype(np.float64)).permute(3, 2, 0, 1).requires_grad_()
+    tout = torch.nn.functional.conv2d(torch.nn.functional.pad(tx, (left, right, top, bottom)), tw, stride=stride)
+    tout.backward(torch.from_numpy(np.asarray(jax.grad(lambda o: jnp.sum(o * jnp.cos(o)))(out_ref),
+                                              np.float64)).permute(0, 3, 1, 2))
+    np.testing.assert_allclose(dw, tw.grad.permute(2, 3, 1, 0).numpy(), rtol=1e-5, atol=1e-5 * np.abs(dw_ref).max())
+
+    # One convolution for the forward pass and one for the input gradient: none for the kernel's.
+    hlo = jax.jit(loss(convolution.conv_general_dilated)).lower(x, w).as_text()
+    assert hlo.count("convolution(") == 2, hlo.count("convolution(")
