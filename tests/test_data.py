@@ -196,3 +196,36 @@ def test_processes_started_together_prepare_the_digits_once(tmp_path):
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-500:] for _, err in results]
     assert [out.strip().splitlines()[-1] for out, _ in results] == ["1437"] * 3
+
+
+def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monkeypatch):
+    """The digits fit in memory and are decoded once; the stream equals the one that decodes
+    every record as it is read (IN_MEMORY_BYTES = 0), batch for batch."""
+    class CountingSource:
+        def __init__(self, source):
+            self.source, self.reads = source, 0
+
+        def __len__(self):
+            return len(self.source)
+
+        def __getitem__(self, i):
+            self.reads += 1
+            return self.source[i]
+
+    source = CountingSource(data.load_source("digits", "train", digits_config.data.data_dir))
+    kept = data.decoded_in_memory(source, lambda record: record)
+    source.reads = 0
+    [kept[i] for i in range(10)]
+    assert source.reads == 0
+    cached = data.make_iterator(data.make_datasets(digits_config).train)
+    batches = [next(cached) for _ in range(50)]  # past the first epoch (1437 / 32 batches)
+    monkeypatch.setattr(data, "IN_MEMORY_BYTES", 0)
+    read_through = data.decoded_in_memory(source, lambda record: record)
+    source.reads = 0
+    [read_through[i] for i in range(10)]
+    assert source.reads >= 10
+    read_each_time = data.make_iterator(data.make_datasets(digits_config).train)
+    for want in batches:
+        got = next(read_each_time)
+        np.testing.assert_array_equal(got["image"], want["image"])
+        np.testing.assert_array_equal(got["label"], want["label"])
