@@ -25,8 +25,10 @@ derives for it::
 
 XLA:CPU's kernel-gradient convolution is its slowest: for a 3x3 64->64 conv on [16, 32, 32, 64]
 it takes 124 ms against 26 ms forward and 36 ms for the input gradient, and 128->128 312 ms;
-as products 51 and 125 ms (``benchmarks/conv_layers.py``, 2-core EPYC). Below 16x16 XLA's own is
-as fast or faster (3.5 against 4.3 ms at 8x8). Every other case is ``lax.conv_general_dilated``.
+as products 51 and 125 ms (``benchmarks/conv_layers.py``, 2-core EPYC). Below 16x16 maps or
+64 x 64 channels XLA's own is as fast or faster (3.5 against 4.3 ms at 8x8 x 128 channels; 25.5
+against 32 ms for 32 -> 32 channels on [64, 16, 16, 32], the digits VQGAN). Every other case is
+``lax.conv_general_dilated``.
 Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py``).
 """
 from __future__ import annotations
@@ -77,8 +79,10 @@ def conv_as_patches(lhs: Array, rhs: Array, strides: Sequence[int], pads: Sequen
     return jnp.einsum("bhwk,ko->bhwo", patches, rhs.reshape(kh * kw * c_in, c_out), precision=precision)
 
 
-# Output maps of at least this many positions take the matrix-product kernel gradient.
+# Output maps of at least this many positions, with at least this many input x output channels,
+# take the matrix-product kernel gradient.
 PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
+PRODUCT_KERNEL_GRAD_MIN_CHANNELS = 64 * 64
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -125,7 +129,9 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
         out_positions = 1
         for n, k, st, (lo, hi) in zip(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
             out_positions *= (n + lo + hi - k) // st + 1
-        if out_positions >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS and min(min(p) for p in pads) >= 0:
+        large = (out_positions >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
+                 and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS)
+        if large and min(min(p) for p in pads) >= 0:
             return conv_with_product_kernel_grad(lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)),
                                                  precision)
     return lax.conv_general_dilated(

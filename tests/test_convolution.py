@@ -74,10 +74,10 @@ def test_flax_conv_with_it_equals_flax_conv():
 # (input, kernel, c_out, stride, padding) with output maps of 16x16 and more: the kernel gradient
 # is taken as matrix products.
 LARGE_MAPS = [
-    ((2, 16, 16, 6), 3, 5, 1, ((1, 1), (1, 1))),   # taming's 3x3 convs
-    ((2, 33, 33, 4), 3, 3, 2, ((0, 1), (0, 1))),   # its stride-2 downsampling with the asymmetric pad
-    ((1, 16, 20, 3), 1, 4, 1, "VALID"),            # 1x1 (nin_shortcut), non-square
-    ((2, 18, 17, 3), 4, 2, 1, "SAME"),             # even kernel, string padding
+    ((2, 16, 16, 64), 3, 64, 1, ((1, 1), (1, 1))),   # taming's 3x3 convs
+    ((1, 33, 33, 64), 3, 64, 2, ((0, 1), (0, 1))),   # its stride-2 downsampling with the asymmetric pad
+    ((1, 16, 20, 128), 1, 64, 1, "VALID"),           # 1x1 (nin_shortcut), non-square
+    ((1, 18, 17, 32), 4, 128, 1, "SAME"),            # even kernel, string padding
 ]
 
 
@@ -106,3 +106,9 @@ def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(sha
     # One convolution for the forward pass and one for the input gradient: none for the kernel's.
     hlo = jax.jit(loss(convolution.conv_general_dilated)).lower(x, w).as_text()
     assert hlo.count("convolution(") == 2, hlo.count("convolution(")
+
+
+def test_few_channels_keep_xla_kernel_gradient():
+    x, w = jnp.ones((2, 16, 16, 32)), jnp.ones((3, 3, 32, 32))
+    grad = jax.grad(lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True)
+    assert jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3  # forward, input and kernel
