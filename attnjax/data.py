@@ -230,20 +230,22 @@ def process_batches(examples: grain.MapDataset, global_batch: int, process_index
     return rows.batch(local, drop_remainder=True)
 
 
-# Sources whose decoded, resized examples fit in this many bytes are decoded once and kept in
-# memory: reading a record decodes its image again each time (22 ms of a 64-digit batch, more
-# than the digits ViT's whole training step on 2 cores).
+# Sources whose decoded records fit in this many bytes are read once and kept in memory: reading
+# a record decodes its image again each time (22 ms of a 64-digit batch, more than the digits
+# ViT's whole training step on 2 cores).
 IN_MEMORY_BYTES = 512 * 2**20
 
 
-def decoded_in_memory(source, example: Callable[[dict], dict]):
-    """``[example(source[i]) for i in ...]`` if it fits ``IN_MEMORY_BYTES``, else ``source`` read
-    through ``example`` as before. ``example`` is deterministic, so the stream is the same."""
-    first = example(source[0])
+def records_in_memory(source):
+    """``[source[i] for i in ...]`` (decoded records) if it fits ``IN_MEMORY_BYTES``, else ``source``.
+
+    Only the source changes, not the pipeline built on it: grain derives the seeds of random
+    transforms from the pipeline's structure, so the stream stays the one of reading ``source``."""
+    first = source[0]
     nbytes = sum(np.asarray(v).nbytes for v in first.values()) * len(source)
     if nbytes > IN_MEMORY_BYTES:
-        return grain.MapDataset.source(source).map(example)
-    return grain.MapDataset.source([first] + [example(source[i]) for i in range(1, len(source))])
+        return source
+    return [first] + [source[i] for i in range(1, len(source))]
 
 
 def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> Datasets:
@@ -256,13 +258,13 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     eval_source = load_source(data.name, data.eval_split, data.data_dir)
     example, normalize = _example_fn(data), _normalize_fn(data)
 
-    train = decoded_in_memory(train_source, example)
+    train = grain.MapDataset.source(records_in_memory(train_source))
     num_train = len(train)
     if num_train < config.batch_size:
         raise ValueError(f"config.batch_size={config.batch_size} is larger than the "
                          f"{num_train} train examples of {data.name!r}.")
     padding, flip = data.get("crop_padding", 0), data.get("flip", False)
-    train = train.seed(config.seed).shuffle().repeat(None)
+    train = train.seed(config.seed).shuffle().repeat(None).map(example)
     if padding or flip:
         train = train.random_map(
             lambda ex, rng: {**ex, "image": random_crop_flip(ex["image"], rng, padding, flip)})

@@ -200,7 +200,7 @@ def test_processes_started_together_prepare_the_digits_once(tmp_path):
 
 def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monkeypatch):
     """The digits fit in memory and are decoded once; the stream equals the one that decodes
-    every record as it is read (IN_MEMORY_BYTES = 0), batch for batch."""
+    every record as it is read (IN_MEMORY_BYTES = 0: the pipeline as it was before), batch for batch."""
     class CountingSource:
         def __init__(self, source):
             self.source, self.reads = source, 0
@@ -213,14 +213,14 @@ def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monk
             return self.source[i]
 
     source = CountingSource(data.load_source("digits", "train", digits_config.data.data_dir))
-    kept = data.decoded_in_memory(source, lambda record: record)
+    kept = data.records_in_memory(source)
     source.reads = 0
     [kept[i] for i in range(10)]
     assert source.reads == 0
     cached = data.make_iterator(data.make_datasets(digits_config).train)
     batches = [next(cached) for _ in range(50)]  # past the first epoch (1437 / 32 batches)
     monkeypatch.setattr(data, "IN_MEMORY_BYTES", 0)
-    read_through = data.decoded_in_memory(source, lambda record: record)
+    read_through = data.records_in_memory(source)
     source.reads = 0
     [read_through[i] for i in range(10)]
     assert source.reads >= 10
