@@ -83,6 +83,8 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         legacy=False, l2_normalize=False, lookup_dim=0, ema_decay=0.0, usage_decay=0.0,
         fsq_levels=(),                    # fsq: () -> quantizers.FSQ_LEVELS[n_embed]
         lfq_entropy_weight=0.1,           # lfq: MAGVIT-v2's entropy weight
+        lfq_diversity=1.0,                # lfq: weight of the batch entropy inside the penalty
+        lfq_temperature=0.01,             # lfq: of the code distribution the entropies are taken of
         lfq_commitment_weight=0.25))      # lfq: its commitment weight (MAGVIT-v2's), not model.beta
     config.reseed_threshold = 0.0         # >0: re-seed codes used below this share of uniform
     config.loss = ml_collections.ConfigDict(dict(
