@@ -170,10 +170,10 @@ class Checkpointer:
                 continue
             try:
                 manager.wait_until_finished()
+                manager.close()  # an asynchronous write's failure may surface here instead
             except Exception as error:
                 checkpoint_integrity.raise_if_disk_full(error, str(manager.directory))
                 raise
-            manager.close()
 
 
 class _IteratorState:

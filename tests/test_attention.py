@@ -161,9 +161,11 @@ def test_fused_and_explicit_paths_agree(mask_kind, is_causal, key_length):
     assert_close(results["xla"][0], results["explicit"][0], what="fused vs explicit output")
     for g_fused, g_explicit in zip(results["xla"][1], results["explicit"][1]):
         # Causal row 0 sees one key: its query gradient is 0 exactly (softmax of one score), which
-        # the two paths round differently; the absolute tolerance follows the gradient's scale.
+        # the two paths round differently (the explicit one normalises after the value product,
+        # so that gradient is the difference of two equal terms: 3e-6 at scale 1 on this CPU);
+        # the absolute tolerance is 1e-5 of the gradient's scale.
         scale = max(1.0, float(np.abs(g_fused).max()))
-        assert_close(g_fused, g_explicit, atol=1e-6 * scale, what="fused vs explicit gradient")
+        assert_close(g_fused, g_explicit, atol=1e-5 * scale, what="fused vs explicit gradient")
     if mask is not None:
         assert np.all(np.asarray(results["xla"][0])[0, 2] == 0)
 

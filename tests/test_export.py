@@ -82,8 +82,11 @@ def test_exported_vqgan_and_prior_equal_the_live_models(runs, tmp_path):
     decoded = live.model.apply(live.variables, codes, method=vqgan.VQGAN.decode_indices)
     exported = export.load(vqgan_path)
     np.testing.assert_array_equal(np.asarray(exported["encode"](images)), np.asarray(codes))
-    assert_close(exported["decode"](np.asarray(codes, np.int32)), decoded, rtol=1e-5, atol=1e-6,
-                 what="exported VQGAN decoding")
+    # The live decoding runs op by op, the export as one compiled program: their float32
+    # roundings differ (2.4e-6 on pixels up to 1.7 on this CPU), so near-zero pixels are held to
+    # 1e-5 of the image's scale.
+    assert_close(exported["decode"](np.asarray(codes, np.int32)), decoded, rtol=1e-5,
+                 atol=1e-5 * float(np.abs(decoded).max()), what="exported VQGAN decoding")
 
     config, params = checkpoint.read_config(runs["prior"]), checkpoint.load(runs["prior"])[1]
     labels = np.array([0, 3, 3, 9], np.int32)
