@@ -19,7 +19,8 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from attnjax import checkpoint, data, nonfinite, parallel, preemption, sharding, tasks, workdir_lock
+from attnjax import (checkpoint, checkpoint_integrity, data, nonfinite, parallel, preemption, sharding,
+                     tasks, workdir_lock)
 from attnjax.tasks import report
 
 LOOP_FIELDS = ("task", "seed", "num_train_steps", "batch_size", "log_every", "eval_every",
@@ -190,6 +191,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         if hasattr(task, "finalize"):
             result.update(task.finalize(dp.to_host(state), result, config=config,
                                         model=model, workdir=workdir) or {})
+    except Exception as error:
+        # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
+        # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
+        checkpoint_integrity.raise_if_disk_full(error, str(ckpt.manager.directory))
+        raise
     finally:
         stop.__exit__(None, None, None)
         bar.close()
