@@ -58,10 +58,16 @@ def _is_nhwc(dimension_numbers, lhs, rhs) -> bool:
     return lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == expected
 
 
+def output_spatial(in_spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+                   pads: Sequence[tuple[int, int]]) -> list[int]:
+    """The output's spatial sizes of a convolution without dilation."""
+    return [(n + lo + hi - k) // s + 1 for n, k, s, (lo, hi) in zip(in_spatial, kernel, strides, pads)]
+
+
 def needs_patches(in_spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
                   pads: Sequence[tuple[int, int]]) -> bool:
     """Whether the kernel is larger than the input or the output along some spatial axis."""
-    out_spatial = [(n + lo + hi - k) // s + 1 for n, k, s, (lo, hi) in zip(in_spatial, kernel, strides, pads)]
+    out_spatial = output_spatial(in_spatial, kernel, strides, pads)
     return any(k > min(n, o) for n, o, k in zip(in_spatial, out_spatial, kernel))
 
 
@@ -126,10 +132,8 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
         pads = _pads(padding, lhs.shape[1:3], rhs.shape[:2], window_strides)
         if needs_patches(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
             return conv_as_patches(lhs, rhs, window_strides, pads, precision)
-        out_positions = 1
-        for n, k, st, (lo, hi) in zip(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
-            out_positions *= (n + lo + hi - k) // st + 1
-        large = (out_positions >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
+        out_h, out_w = output_spatial(lhs.shape[1:3], rhs.shape[:2], window_strides, pads)
+        large = (out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
                  and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS)
         if large and min(min(p) for p in pads) >= 0:
             return conv_with_product_kernel_grad(lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)),
