@@ -120,6 +120,17 @@ def test_random_crop_flip_reference():
     assert flips == {image.tobytes(), image[:, ::-1].tobytes()}
 
 
+@pytest.mark.parametrize("padding", [1, 2, 5])
+def test_random_crop_is_a_crop_of_the_zero_padded_image(padding):
+    """Against the definition: pad with zeros, crop at the offsets the generator draws."""
+    image = np.random.default_rng(0).integers(1, 256, (4, 5, 3), dtype=np.uint8)
+    for seed in range(30):
+        dy, dx = np.random.default_rng(seed).integers(0, 2 * padding + 1, size=2)
+        want = np.pad(image, ((padding, padding), (padding, padding), (0, 0)))[dy:dy + 4, dx:dx + 5]
+        got = data.random_crop_flip(image, np.random.default_rng(seed), padding, False)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_eval_covers_every_example_once_with_mask(digits_config, digits_dir):
     digits_config.eval_batch_size = 128  # 360 = 2 * 128 + 104 -> 24 padded slots
     ds = data.make_datasets(digits_config)
