@@ -20,6 +20,11 @@ def get_config():
     config.model.n_layer = 4
     config.model.n_head = 4
     config.model.n_embd = 128
+    # No dropout: over 600 steps (~3 epochs of the shifted codes) it only slows the fit down, and
+    # its random masks were 13% of a step (78 vs 90 ms). Measured with demo.py (seed 0): 1000
+    # steps with dropout 0.1 -> 3.34 bits per token, 97.6% of samples in class (127 s); 600
+    # without -> 3.44 bits, 97.6% (68 s).
+    config.model.embd_pdrop = config.model.resid_pdrop = config.model.attn_pdrop = 0.0
 
     config.sampling.temperature = 0.8     # below 1: fewer off-class strokes in the samples
     config.sampling.top_k = 16
@@ -30,8 +35,8 @@ def get_config():
     config.warmup_steps = 100
     config.batch_size = 64
     config.eval_batch_size = 120          # 360 test digits = 3 batches
-    config.num_train_steps = 1000
+    config.num_train_steps = 600
     config.log_every = 50
-    config.eval_every = 1000              # samples cost a compilation: only at the end
-    config.checkpoint_every = 500
+    config.eval_every = 600               # samples cost a compilation: only at the end
+    config.checkpoint_every = 300
     return config
