@@ -1,10 +1,11 @@
 """Every quantizer kind on the digits, one table: the demo's chain (ViT -> VQGAN -> prior ->
 classified samples) run once per tokenizer, with the same step budget for every row.
 
-    python benchmarks/quantizers.py [--vqgan_steps 800] [--prior_steps 1000] [--rows vq,fsq]
+    python benchmarks/quantizers.py [--vqgan_steps N] [--prior_steps N] [--rows vq,fsq]
 
 Each row is ``configs/vqgan_digits.py`` with ``model.quantizer`` overrides (nothing else), then
-``configs/prior_digits.py`` on its codes; runs live in ``runs/bench_quantizers/<row>/`` and a
+``configs/prior_digits.py`` on its codes (their own step budgets unless ``--*_steps`` is given;
+the budget, batch sizes, learning rates and dropout are recorded with each row); runs live in ``runs/bench_quantizers/<row>/`` and a
 finished stage is reused. The digits ViT (``configs/vit_digits.py``) is trained once and judges
 the reconstructions of the 360 held-out digits and the prior's class-conditional samples. The
 table: held-out PSNR (pixels in [0, 1]), codebook usage and perplexity on the test split, ViT
@@ -47,13 +48,22 @@ RESULTS = ROOT / "benchmarks" / "results"
 def configs_for(row, vqgan_steps, prior_steps, workdir):
     vqgan_config = demo.load_config("configs/vqgan_digits.py")
     vqgan_config.model.quantizer.update(ROWS[row])
-    vqgan_config.num_train_steps = vqgan_steps
+    vqgan_config.num_train_steps = vqgan_steps = vqgan_steps or vqgan_config.num_train_steps
     vqgan_config.eval_every = vqgan_config.checkpoint_every = vqgan_steps
     prior_config = demo.load_config("configs/prior_digits.py")
-    prior_config.num_train_steps = prior_steps
+    prior_config.num_train_steps = prior_steps = prior_steps or prior_config.num_train_steps
     prior_config.eval_every = prior_config.checkpoint_every = prior_steps
     prior_config.vqgan_workdir = os.path.join(workdir, "vqgan")
     return vqgan_config, prior_config
+
+
+def recipe(args) -> dict:
+    """What a row's numbers depend on besides the quantizer: reused rows must match it."""
+    vqgan_config, prior_config = configs_for("vq", args.vqgan_steps, args.prior_steps, "")
+    return {"vqgan_steps": vqgan_config.num_train_steps, "prior_steps": prior_config.num_train_steps,
+            "vqgan_batch_size": vqgan_config.batch_size, "vqgan_learning_rate": vqgan_config.learning_rate,
+            "prior_batch_size": prior_config.batch_size, "prior_learning_rate": prior_config.learning_rate,
+            "prior_dropout": prior_config.model.resid_pdrop}
 
 
 def run_row(row, args, vit_config, predict):
@@ -80,20 +90,21 @@ def run_row(row, args, vit_config, predict):
 
 
 def finished_rows(args) -> dict:
-    """Every row whose ``result.json`` was made with this step budget, in table order."""
+    """Every row whose ``result.json`` was made with this recipe, in table order."""
     rows = {}
     for row in ROWS:
         path = pathlib.Path(args.workdir) / row / "result.json"
         if path.exists():
             result = json.loads(path.read_text())
-            if (result["vqgan_steps"], result["prior_steps"]) == (args.vqgan_steps, args.prior_steps):
+            if all(result.get(key) == value for key, value in recipe(args).items()):
                 rows[row] = result
     return rows
 
 
 def markdown(results) -> str:
     lines = [
-        f"Digits, {results['vqgan_steps']} VQGAN steps and {results['prior_steps']} prior steps per row, "
+        f"Digits, {results['vqgan_steps']} VQGAN steps of {results.get('vqgan_batch_size', '?')} and "
+        f"{results['prior_steps']} prior steps of {results.get('prior_batch_size', '?')} per row, "
         f"{results['samples_per_class']} samples per class; {results['machine']}.",
         "",
         "| tokenizer | PSNR (dB) | usage | perplexity | ViT acc. on rec. | prior bits/token "
@@ -111,8 +122,8 @@ def markdown(results) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vqgan_steps", type=int, default=800)
-    parser.add_argument("--prior_steps", type=int, default=1000)
+    parser.add_argument("--vqgan_steps", type=int, default=None, help="default: the config's")
+    parser.add_argument("--prior_steps", type=int, default=None, help="default: the config's")
     parser.add_argument("--samples_per_class", type=int, default=50)
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--workdir", default="runs/bench_quantizers")
@@ -127,7 +138,7 @@ def main():
     vit_workdir = args.vit_workdir or os.path.join(args.workdir, "vit")
     vit_stage = demo.run_stage("vit", vit_config, vit_workdir, {})
     _, predict = classification_task.make_predict(vit_workdir)
-    results = {"vqgan_steps": args.vqgan_steps, "prior_steps": args.prior_steps,
+    results = {**recipe(args),
                "samples_per_class": args.samples_per_class,
                "vit_test_accuracy": vit_stage["metrics"]["eval/accuracy"],
                "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
@@ -136,8 +147,7 @@ def main():
     for row in rows:
         if row not in finished_rows(args):
             start = time.perf_counter()
-            result = dict(run_row(row, args, vit_config, predict), vqgan_steps=args.vqgan_steps,
-                          prior_steps=args.prior_steps)
+            result = dict(run_row(row, args, vit_config, predict), **recipe(args))
             (pathlib.Path(args.workdir) / row / "result.json").write_text(json.dumps(result, indent=2))
             print(f"[{row}] done in {time.perf_counter() - start:.0f} s: {result}", flush=True)
         results["rows"] = finished_rows(args)
