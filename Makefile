@@ -24,8 +24,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) demo.py
 
+# Two workers: most of the suite is XLA compilation and subprocesses, which use one core each.
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 tests
 
 clean:
 	rm -rf $(VENV) runs
