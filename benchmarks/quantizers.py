@@ -5,8 +5,8 @@ classified samples) run once per tokenizer, with the same step budget for every 
 
 Each row is ``configs/vqgan_digits.py`` with ``model.quantizer`` overrides (nothing else), then
 ``configs/prior_digits.py`` on its codes (their own step budgets unless ``--*_steps`` is given;
-the budget, batch sizes, learning rates and dropout are recorded with each row); runs live in ``runs/bench_quantizers/<row>/`` and a
-finished stage is reused. The digits ViT (``configs/vit_digits.py``) is trained once and judges
+the budget, batch sizes, learning rates and dropout are recorded with each row); runs live in
+``runs/bench_quantizers/<row>/`` and a finished stage is reused. The digits ViT (``configs/vit_digits.py``) is trained once and judges
 the reconstructions of the 360 held-out digits and the prior's class-conditional samples. The
 table: held-out PSNR (pixels in [0, 1]), codebook usage and perplexity on the test split, ViT
 accuracy on reconstructions, the prior's held-out bits per token, the fraction of samples the
@@ -91,12 +91,12 @@ def run_row(row, args, vit_config, predict):
 
 def finished_rows(args) -> dict:
     """Every row whose ``result.json`` was made with this recipe, in table order."""
-    rows = {}
+    rows, wanted = {}, recipe(args)
     for row in ROWS:
         path = pathlib.Path(args.workdir) / row / "result.json"
         if path.exists():
             result = json.loads(path.read_text())
-            if all(result.get(key) == value for key, value in recipe(args).items()):
+            if all(result.get(key) == value for key, value in wanted.items()):
                 rows[row] = result
     return rows
 
