@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from attnjax import checkpoint, sample  # noqa: E402
+from attnjax import checkpoint, parallel, sample  # noqa: E402
 from attnjax.images import save_image_grid  # noqa: E402
 from attnjax.tasks import classification as classification_task  # noqa: E402
 from attnjax.tasks import prior as prior_task  # noqa: E402
@@ -192,6 +192,7 @@ def main(argv=None):
     previous = json.loads(pathlib.Path(summary_path).read_text()) if os.path.exists(summary_path) else {}
 
     configs = {name: load_config(path) for name, path in STAGES}
+    parallel.use_cpu_cores(*configs.values())
     workdirs = {name: os.path.join(args.workdir, name) for name, _ in STAGES}
     configs["prior"].vqgan_workdir = workdirs["vqgan"]
     stages = {name: run_stage(name, configs[name], workdirs[name], previous) for name, _ in STAGES}
@@ -230,6 +231,7 @@ def main(argv=None):
         "eval_seconds": time.perf_counter() - eval_start,
         "total_seconds": time.perf_counter() - total_start,
         "device": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
         "cpu_count": os.cpu_count(),
     }
     pathlib.Path(summary_path).write_text(json.dumps(summary, indent=2))

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from attnjax import preemption
+from attnjax import parallel, preemption
 from attnjax.tasks.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_digits.py",
@@ -35,8 +35,10 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
     try:
-        metrics = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        parallel.use_cpu_cores(config)
+        metrics = train_and_evaluate(config, _WORKDIR.value)
     except preemption.Preempted as stopped:
         print(f"train.py: {stopped}", file=sys.stderr)
         sys.exit(preemption.REQUEUE_EXIT_CODE)

@@ -27,6 +27,7 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.parallel = "jit"               # or "pmap"
     config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False            # True on multi-host clusters
+    config.cpu_devices = 0                # CPU only: devices (cores) the batch splits over; 0: one per core
     config.nonfinite = "stop"             # or "skip": drop a non-finite update and go on
     config.max_skipped_steps = 10         # with "skip": stop after this many in a row
 

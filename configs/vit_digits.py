@@ -25,6 +25,10 @@ def get_config():
     config.model.mlp_dim = 128
     config.model.dropout_rate = 0.0
 
+    # One CPU device: its matrix products use both cores already (42.2 steps/s on one device, 41.1
+    # with the batch split over two), and the figures below were measured on one.
+    config.cpu_devices = 1
+
     config.learning_rate = 3e-3
     config.warmup_steps = 100
     config.batch_size = 64

@@ -60,6 +60,8 @@ EIGHT_DEVICES = textwrap.dedent("""
     from attnjax import checkpoint, parallel
     from attnjax.tasks.loop import train_and_evaluate
 
+    # A count chosen in $XLA_FLAGS stands: use_cpu_cores leaves it and every device is used.
+    assert parallel.use_cpu_cores(tiny_config({data_dir!r})) is None
     assert jax.device_count() == 8, jax.devices()
     out = {{}}
     workdir = os.path.join({tmp!r}, "pmap")
@@ -106,6 +108,63 @@ def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
     moved = max(float(np.max(np.abs(np.asarray(initial[k]) - v))) for k, v in reference.items())
     assert moved > 1e-3, moved
     assert "config.batch_size=12" in result["error"] and "8 devices" in result["error"]
+
+
+CPU_CORES_AS_DEVICES = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, os.path.join({root!r}, "tests"))
+    import jax
+    import flax, numpy as np
+    from test_parallel import tiny_config
+    from attnjax import checkpoint, parallel
+    from attnjax.tasks.loop import train_and_evaluate
+
+    one_device = tiny_config({data_dir!r})          # the digits ViT's config asks for 1 device
+    four = tiny_config({data_dir!r})
+    four.cpu_devices = 4
+    out = {{"chosen": parallel.use_cpu_cores(one_device, four), "devices": jax.device_count(),
+           "four_run_devices": parallel.run_devices(four),
+           "one_run_devices": [d.id for d in parallel.run_devices(one_device)],
+           "too_late": parallel.set_cpu_devices(2), "after": jax.device_count()}}
+    workdir = os.path.join({tmp!r}, "first_of_4")
+    train_and_evaluate(one_device, workdir)
+    np.savez(os.path.join({tmp!r}, "first_of_4.npz"),
+             **flax.traverse_util.flatten_dict(checkpoint.load(workdir)[1], sep="/"))
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_cpu_devices_per_config_and_a_subset_equals_one_device(digits_dir, tmp_path):
+    """use_cpu_cores gives the process the largest count its configs ask for; a config that asks
+    for fewer trains on the first of them, with the values of a one-device process."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = CPU_CORES_AS_DEVICES.format(root=ROOT, tmp=str(tmp_path), data_dir=digits_dir)
+    proc = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result == {"chosen": 4, "devices": 4, "four_run_devices": None, "one_run_devices": [0],
+                      "too_late": False, "after": 4}, result
+
+    train_and_evaluate(tiny_config(digits_dir), str(tmp_path / "one"))
+    reference = flax.traverse_util.flatten_dict(checkpoint.load(str(tmp_path / "one"))[1], sep="/")
+    with np.load(tmp_path / "first_of_4.npz") as got:
+        assert sorted(got.files) == sorted(reference)
+        for key, value in reference.items():
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_cpu_devices_wanted_divides_the_batches_and_rejects_negatives(digits_dir):
+    config = tiny_config(digits_dir)  # batch 16, eval batch 40
+    config.cpu_devices = 0
+    cores = len(os.sched_getaffinity(0))
+    assert parallel.cpu_devices_wanted(config) == max(
+        n for n in range(1, cores + 1) if 16 % n == 0 and 40 % n == 0)
+    config.cpu_devices = 3
+    assert parallel.cpu_devices_wanted(config) == 3
+    config.cpu_devices = -1
+    with pytest.raises(ValueError, match="config.cpu_devices=-1 must be >= 0"):
+        parallel.cpu_devices_wanted(config)
 
 
 def test_prefetcher_state_is_that_of_the_consumed_batch():

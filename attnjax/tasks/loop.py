@@ -87,7 +87,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     parallel.maybe_initialize_distributed(config)
     dp = parallel.DataParallel(config.get("parallel", "jit"), config.batch_size,
                                config.get("eval_batch_size") or None,
-                               mesh=config.get("mesh", None), rules=sharding.rules_for(config))
+                               mesh=config.get("mesh", None), rules=sharding.rules_for(config),
+                               devices=parallel.run_devices(config))
     checkpoint.check_compatible(workdir, config)
 
     model = task.create_model(config)
@@ -116,7 +117,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         checkpoint.write_config(workdir, config)
     logging.info("%s: %d train / %d eval examples, %d devices (%s), global batch %d",
                  config.task, datasets.num_train_examples, datasets.num_eval_examples,
-                 jax.device_count(), dp.mode, config.batch_size)
+                 dp.mesh.size, dp.mode, config.batch_size)
 
     if dp.mode == "pmap":
         state = dp.place_state(state)
