@@ -34,6 +34,7 @@ Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py`
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -91,6 +92,21 @@ PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
 PRODUCT_KERNEL_GRAD_MIN_CHANNELS = 64 * 64
 
 
+def _cores_left_idle() -> bool:
+    """Whether XLA:CPU would leave cores idle during a one-threaded convolution: fewer CPU
+    devices than cores. With one device per core (``attnjax.parallel.use_cpu_cores``) the split
+    batch keeps every core busy, and XLA's own kernel gradient is the faster one: the VQGAN
+    autoencoder row of ``benchmarks/compare_torch.py`` takes 1220 ms on two devices with it and
+    1368 ms with the products (on one device: 1720 against 1562 ms)."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return jax.local_device_count() < cores
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def conv_with_product_kernel_grad(lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None) -> Array:
     """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix products."""
@@ -135,7 +151,7 @@ def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], 
         out_h, out_w = output_spatial(lhs.shape[1:3], rhs.shape[:2], window_strides, pads)
         large = (out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
                  and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS)
-        if large and min(min(p) for p in pads) >= 0:
+        if large and min(min(p) for p in pads) >= 0 and _cores_left_idle():
             return conv_with_product_kernel_grad(lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)),
                                                  precision)
     return lax.conv_general_dilated(

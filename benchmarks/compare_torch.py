@@ -31,7 +31,7 @@ import optax
 
 import torch
 
-from attnjax import attention, lpips, sampling, vit
+from attnjax import attention, lpips, parallel, sampling, vit
 from attnjax.convert.common import make_torchvision_importable
 from attnjax.convert.lpips import lpips_from_torch
 from attnjax.convert.taming import gpt_from_taming, nlayer_discriminator_from_taming, vqgan_from_taming
@@ -41,7 +41,7 @@ from timing import median_seconds
 
 
 make_torchvision_importable()  # timm and lpips import torchvision
-DEVICE = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+DEVICE = "cpu"  # torch's device; main() makes it "cuda" when JAX runs on a GPU too
 LEARNING_RATE = 1e-4
 
 
@@ -55,9 +55,28 @@ def _rss_mib() -> float:
 
 
 class Jax:
-    """A jitted step ``fn(state, *inputs) -> state`` (or outputs), compiled once, timed after."""
+    """A jitted step ``fn(state, *inputs) -> state`` (or outputs), compiled once, timed after.
 
-    def __init__(self, fn, state, *inputs, donate: bool = False):
+    With several devices (one per CPU core, or GPUs) the inputs flagged in ``split`` (default:
+    all) are split along their leading axis over every device and the state is replicated: data
+    parallelism, as ``train.py`` runs. Where a flagged input's leading axis does not divide
+    evenly (SDPA's batch of 1), the step runs on one device.
+    """
+
+    def __init__(self, fn, state, *inputs, donate: bool = False, split=None):
+        split = (True,) * len(inputs) if split is None else tuple(split)
+        devices = jax.devices()
+        leading = [np.shape(leaf)[0] for x, s in zip(inputs, split) if s
+                   for leaf in jax.tree.leaves(x)]
+        if len(devices) > 1 and leading and all(n % len(devices) == 0 for n in leading):
+            mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+            whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+            state = jax.device_put(state, whole)
+            inputs = tuple(jax.device_put(x, rows if s else whole) for x, s in zip(inputs, split))
+            self.devices = len(devices)
+        else:
+            self.devices = 1
         jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
         start = time.perf_counter()
         self.compiled = jitted.lower(state, *inputs).compile()
@@ -311,7 +330,8 @@ def vqgan_gan_step(batch, directory):
         return jax_step(state, batch, rng)[0]
 
     return (f"VQGAN GAN step (disc + LPIPS) 32px ch64 batch {batch}, same weights",
-            Jax(step, state, {"image": images}, jax.random.PRNGKey(1), donate=True), torch_step)
+            Jax(step, state, {"image": images}, jax.random.PRNGKey(1), donate=True, split=(True, False)),
+            torch_step)
 
 
 def _taming_gpt(n_layer, n_embd, block_size, vocab):
@@ -357,7 +377,7 @@ def gpt_sample(batch, steps):
     torch_step = _inference(
         lambda: mingpt.sample(reference, tprefix, steps, temperature=1.0, sample=True, top_k=100))
     return (f"GPT sampling {steps} tokens, batch {batch} (KV cache vs taming's loop)",
-            Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0)), torch_step)
+            Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0), split=(True, False)), torch_step)
 
 
 def rows(quick, directory):
@@ -385,6 +405,7 @@ def machine() -> dict:
     return {
         "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "jax": jax.__version__, "jax_backend": jax.default_backend(), "jax_device": jax.devices()[0].device_kind,
+        "jax_device_count": jax.device_count(),
         "torch": torch.__version__, "torch_device": DEVICE if DEVICE == "cpu" else torch.cuda.get_device_name(),
     }
 
@@ -395,7 +416,16 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small sizes and 2 repeats: a smoke run")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cpu-devices", type=int, default=0,
+                        help="XLA:CPU devices attnjax splits a batch over (0: one per core; 1: one device)")
     args = parser.parse_args()
+    if args.cpu_devices < 0:
+        raise ValueError(f"--cpu-devices={args.cpu_devices} must be >= 0 (0: one per core)")
+    # Before anything touches a JAX device: XLA:CPU runs a convolution on one thread, so the
+    # batch is split over one device per core, as train.py does (attnjax.parallel).
+    parallel.set_cpu_devices(args.cpu_devices or parallel.cpu_cores())
+    global DEVICE
+    DEVICE = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
     torch.set_num_threads(os.cpu_count())
     repeats = args.repeats or (2 if args.quick else 5)
 
@@ -416,22 +446,24 @@ def main():
             jax_step(), torch_step()  # warm-up
             jax_ms, torch_ms = 1e3 * median_seconds(jax_step, repeats), 1e3 * median_seconds(torch_step, repeats)
             row = dict(row=name, workload=description, attnjax_ms=jax_ms, torch_ms=torch_ms,
-                       speedup=torch_ms / jax_ms, attnjax_compile_s=jax_step.compile_s,
+                       speedup=torch_ms / jax_ms, attnjax_devices=jax_step.devices,
+                       attnjax_compile_s=jax_step.compile_s,
                        attnjax_xla_temp_mib=jax_step.temp_mib, rss_growth_mib=_rss_mib() - rss_before)
             results.append(row)
             # Written after every row, so an interrupted run keeps the rows it finished.
             out.write_text(json.dumps({"machine": meta, "quick": args.quick, "repeats": repeats,
                                        "rows": results}, indent=2))
             print(f"{name:18s} attnjax {jax_ms:9.1f} ms  torch {torch_ms:9.1f} ms  "
-                  f"torch/attnjax {row['speedup']:5.2f}  (compile {jax_step.compile_s:.1f} s)", flush=True)
+                  f"torch/attnjax {row['speedup']:5.2f}  ({jax_step.devices} device(s), compile "
+                  f"{jax_step.compile_s:.1f} s)", flush=True)
 
     print(f"\nattnjax jit vs torch eager on {meta['cpu']} ({meta['cores']} cores, torch threads "
           f"{meta['torch_threads']}), jax {meta['jax']} {meta['jax_backend']}, torch {meta['torch']} {DEVICE}; "
           f"median of {repeats} after warm-up\n")
-    print("| workload | attnjax ms | torch ms | torch / attnjax | compile s | XLA temp MiB | RSS growth MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | attnjax ms | torch ms | torch / attnjax | attnjax devices | compile s | XLA temp MiB | RSS growth MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['workload']} | {r['attnjax_ms']:.1f} | {r['torch_ms']:.1f} | {r['speedup']:.2f} | "
+        print(f"| {r['workload']} | {r['attnjax_ms']:.1f} | {r['torch_ms']:.1f} | {r['speedup']:.2f} | {r['attnjax_devices']} | "
               f"{r['attnjax_compile_s']:.1f} | {r['attnjax_xla_temp_mib']:.0f} | {r['rss_growth_mib']:.0f} |")
     speedups = [r["speedup"] for r in results]
     print(f"\ngeometric mean torch / attnjax: {float(np.exp(np.mean(np.log(speedups)))):.2f}")

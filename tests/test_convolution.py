@@ -83,7 +83,8 @@ LARGE_MAPS = [
 
 @pytest.mark.parametrize("shape,kernel,c_out,stride,padding", LARGE_MAPS)
 def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(shape, kernel, c_out, stride,
-                                                                             padding):
+                                                                             padding, monkeypatch):
+    monkeypatch.setattr(convolution, "_cores_left_idle", lambda: True)  # one CPU device, several cores
     rng = np.random.default_rng(2)
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal((kernel, kernel, shape[-1], c_out)).astype(np.float32)
@@ -106,6 +107,14 @@ def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(sha
     # One convolution for the forward pass and one for the input gradient: none for the kernel's.
     hlo = jax.jit(loss(convolution.conv_general_dilated)).lower(x, w).as_text()
     assert hlo.count("convolution(") == 2, hlo.count("convolution(")
+
+
+def test_one_device_per_core_keeps_xla_kernel_gradient(monkeypatch):
+    """With every core holding a CPU device, the split batch keeps the cores busy: XLA's own."""
+    monkeypatch.setattr(convolution, "_cores_left_idle", lambda: False)
+    x, w = jnp.ones((2, 16, 16, 64)), jnp.ones((3, 3, 64, 64))
+    grad = jax.grad(lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True)
+    assert jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3  # forward, input and kernel
 
 
 def test_few_channels_keep_xla_kernel_gradient():
