@@ -58,22 +58,23 @@ class Jax:
     """A jitted step ``fn(state, *inputs) -> state`` (or outputs), compiled once, timed after.
 
     With several devices (one per CPU core, or GPUs) the inputs flagged in ``split`` (default:
-    all) are split along their leading axis over every device and the state is replicated: data
-    parallelism, as ``train.py`` runs. Where a flagged input's leading axis does not divide
-    evenly (SDPA's batch of 1), the step runs on one device.
+    all along axis 0; an int names another axis) are split over every device and the state is
+    replicated: data parallelism, as ``train.py`` runs (SDPA splits its heads). Where a split
+    axis does not divide evenly, the step runs on one device.
     """
 
     def __init__(self, fn, state, *inputs, donate: bool = False, split=None):
-        split = (True,) * len(inputs) if split is None else tuple(split)
+        split = (0,) * len(inputs) if split is None else tuple(split)
+        split = tuple(0 if s is True else None if s is False else s for s in split)
         devices = jax.devices()
-        leading = [np.shape(leaf)[0] for x, s in zip(inputs, split) if s
-                   for leaf in jax.tree.leaves(x)]
-        if len(devices) > 1 and leading and all(n % len(devices) == 0 for n in leading):
+        sizes = [np.shape(leaf)[s] for x, s in zip(inputs, split) if s is not None
+                 for leaf in jax.tree.leaves(x)]
+        if len(devices) > 1 and sizes and all(n % len(devices) == 0 for n in sizes):
             mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-            whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-            state = jax.device_put(state, whole)
-            inputs = tuple(jax.device_put(x, rows if s else whole) for x, s in zip(inputs, split))
+            P = jax.sharding.PartitionSpec
+            place = lambda s: jax.sharding.NamedSharding(mesh, P() if s is None else P(*[None] * s, "data"))
+            state = jax.device_put(state, place(None))
+            inputs = tuple(jax.device_put(x, place(s)) for x, s in zip(inputs, split))
             self.devices = len(devices)
         else:
             self.devices = 1
@@ -154,7 +155,7 @@ def sdpa(length):
         torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
         _sync()
 
-    return f"SDPA fwd+bwd causal 1x8x{length}x64", Jax(grads, (), q, k, v), torch_step
+    return f"SDPA fwd+bwd causal 1x8x{length}x64", Jax(grads, (), q, k, v, split=(1, 1, 1)), torch_step
 
 
 def mha():

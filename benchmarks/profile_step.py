@@ -9,7 +9,9 @@ and put in a class by what it computes (``convolution``, ``dot``, ``transpose/co
 (``cost_analysis``) and the achieved GFLOP/s against this machine's float32 matmul rate
 (a 2048^3 ``jnp.dot``, measured first), the time per class, and the most expensive operations
 with their shapes and the source operation they came from. Tracing slows a step down, so the
-classes are shares of the traced time. JSON in ``benchmarks/results/profile_<platform>.json``.
+classes are shares of the traced time. Rows run as in ``compare_torch.py``: split over one CPU
+device per core (``--cpu-devices``), the traced time then summing every device's operations.
+JSON in ``benchmarks/results/profile_<platform>.json``.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import compare_torch
+from attnjax import parallel
 from timing import median_seconds
 
 _INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
@@ -87,7 +90,8 @@ def profile_row(name: str, table: dict, steps: int, top: int) -> dict:
     step_ms = 1e3 * median_seconds(jax_step, 5)
     cost = jax_step.compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    flops = float(cost.get("flops", 0.0)) if cost else 0.0
+    # Cost analysis counts one device's share of a program split over several.
+    flops = float(cost.get("flops", 0.0)) * jax_step.devices if cost else 0.0
     instructions = hlo_instructions(jax_step.compiled.as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
@@ -106,7 +110,7 @@ def profile_row(name: str, table: dict, steps: int, top: int) -> dict:
         classes[op_class(instructions[op])] += ms
     traced = sum(per_op.values())
     return {
-        "row": name, "workload": description, "step_ms": step_ms, "gflop": flops / 1e9,
+        "row": name, "workload": description, "devices": jax_step.devices, "step_ms": step_ms, "gflop": flops / 1e9,
         "gflops_per_s": flops / 1e9 / (step_ms / 1e3), "traced_ms": traced,
         "classes": {k: {"ms": v, "share": v / traced} for k, v in classes.most_common()},
         "top": [dict(op=op, ms=ms, share=ms / traced, cls=op_class(instructions[op]),
@@ -121,7 +125,12 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cpu-devices", type=int, default=0,
+                        help="XLA:CPU devices a row's batch is split over, as in compare_torch (0: one per core)")
     args = parser.parse_args()
+    if args.cpu_devices < 0:
+        raise ValueError(f"--cpu-devices={args.cpu_devices} must be >= 0 (0: one per core)")
+    parallel.set_cpu_devices(args.cpu_devices or parallel.cpu_cores())
     peak = matmul_gflops()
     print(f"float32 matmul 2048^3: {peak:.0f} GFLOP/s ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)")
     results = []
@@ -133,7 +142,7 @@ def main():
         for name in args.rows.split(","):
             r = profile_row(name, table, args.steps, args.top)
             results.append(r)
-            print(f"\n## {r['workload']}: {r['step_ms']:.1f} ms, {r['gflop']:.1f} GFLOP, "
+            print(f"\n## {r['workload']} ({r['devices']} device(s)): {r['step_ms']:.1f} ms, {r['gflop']:.1f} GFLOP, "
                   f"{r['gflops_per_s']:.0f} GFLOP/s ({100 * r['gflops_per_s'] / peak:.0f}% of matmul)")
             print("| class | traced ms | share |\n|---|---|---|")
             for cls, v in r["classes"].items():
