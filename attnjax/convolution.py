@@ -17,9 +17,10 @@ as patches (LPIPS's VGG16 on 32-pixel images, the PatchGAN discriminator's last 
 patches are at most ``kh * kw`` times a feature map that small, and their gradient is slices and
 pads, with no convolution left for XLA to lower.
 
-From 16x16 output maps the forward pass and the input gradient stay on ``lax.conv_general_dilated``
-but the kernel gradient is taken as ``kh * kw`` matrix products instead of the convolution XLA
-derives for it::
+From 16x16 output maps, on XLA:CPU with fewer devices than cores, the forward pass and the input
+gradient stay on ``lax.conv_general_dilated`` but the kernel gradient is taken as ``kh * kw``
+matrix products (threaded, where XLA's convolutions run on one thread) instead of the
+convolution XLA derives for it::
 
     d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out   [c_in, c_out]
 
@@ -27,7 +28,9 @@ XLA:CPU's kernel-gradient convolution is its slowest: for a 3x3 64->64 conv on [
 it takes 124 ms against 26 ms forward and 36 ms for the input gradient, and 128->128 312 ms;
 as products 51 and 125 ms (``benchmarks/conv_layers.py``, 2-core EPYC). Below 16x16 maps or
 64 x 64 channels XLA's own is as fast or faster (3.5 against 4.3 ms at 8x8 x 128 channels; 25.5
-against 32 ms for 32 -> 32 channels on [64, 16, 16, 32], the digits VQGAN). Every other case is
+against 32 ms for 32 -> 32 channels on [64, 16, 16, 32], the digits VQGAN). With one CPU device
+per core (``attnjax.parallel.use_cpu_cores``) every core already runs a convolution of its share
+of the batch, and XLA's own kernel gradient is the faster one. Every other case is
 ``lax.conv_general_dilated``.
 Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py``).
 """

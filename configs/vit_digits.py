@@ -33,7 +33,7 @@ def get_config():
     config.warmup_steps = 100
     config.batch_size = 64
     config.eval_batch_size = 120          # 360 test images = 3 batches
-    config.num_train_steps = 1500         # ~67 epochs; 1000 steps: 98.3%, 1500: 99.7% (seed 0)
+    config.num_train_steps = 1500         # ~67 epochs: 99.17% at seed 0, 99.44% at seeds 1 and 2
     config.log_every = 50
     config.eval_every = 500
     config.checkpoint_every = 500
