@@ -178,6 +178,7 @@ BAD = [
     ("data.name", "no_such_dataset", r"config.data.name='no_such_dataset'"),
     ("model.width", 32, r"different model.*config.model"),
     ("num_train_steps", 0, r"config.num_train_steps=0"),
+    ("cpu_devices", -1, r"config.cpu_devices=-1 must be >= 0"),
 ]
 
 

@@ -36,6 +36,7 @@ def _check_loop_fields(config) -> None:
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
     nonfinite.check_config(config)
+    parallel.cpu_devices_wanted(config)  # rejects a negative config.cpu_devices
 
 
 def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, workdir, step) -> dict:
