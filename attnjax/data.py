@@ -190,12 +190,21 @@ def random_crop_flip(image: np.ndarray, rng: np.random.Generator, padding: int,
     return image
 
 
+def _resize_fn(data_config) -> Callable[[dict], dict]:
+    """A record -> the same record with its image resized to ``data_config.image_size``."""
+    image_key, size = data_config.image_key, data_config.image_size
+
+    def resized(record):
+        return {**record, image_key: resize(np.asarray(record[image_key]), size)}
+
+    return resized
+
+
 def _example_fn(data_config) -> Any:
-    image_key, label_key, size = data_config.image_key, data_config.label_key, data_config.image_size
+    image_key, label_key, resized = data_config.image_key, data_config.label_key, _resize_fn(data_config)
 
     def example(record):
-        return {"image": resize(np.asarray(record[image_key]), size),
-                "label": np.int32(record[label_key])}
+        return {"image": resized(record)[image_key], "label": np.int32(record[label_key])}
 
     return example
 
@@ -265,9 +274,7 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     example, normalize = _example_fn(data), _normalize_fn(data)
 
     # Kept records are resized once; ``example`` below then finds them at size (and leaves them).
-    resized = lambda record: {**record, data.image_key: resize(np.asarray(record[data.image_key]),
-                                                               data.image_size)}
-    train = grain.MapDataset.source(records_in_memory(train_source, resized))
+    train = grain.MapDataset.source(records_in_memory(train_source, _resize_fn(data)))
     num_train = len(train)
     if num_train < config.batch_size:
         raise ValueError(f"config.batch_size={config.batch_size} is larger than the "
