@@ -57,15 +57,14 @@ def _rss_mib() -> float:
 class Jax:
     """A jitted step ``fn(state, *inputs) -> state`` (or outputs), compiled once, timed after.
 
-    With several devices (one per CPU core, or GPUs) the inputs flagged in ``split`` (default:
-    all along axis 0; an int names another axis) are split over every device and the state is
-    replicated: data parallelism, as ``train.py`` runs (SDPA splits its heads). Where a split
-    axis does not divide evenly, the step runs on one device.
+    With several devices (one per CPU core, or GPUs) the inputs are split over every device along
+    the axis ``split`` names for each (default: axis 0 of all; ``None``: that input is replicated)
+    and the state is replicated: data parallelism, as ``train.py`` runs (SDPA splits its heads).
+    Where a split axis does not divide evenly, the step runs on one device.
     """
 
     def __init__(self, fn, state, *inputs, donate: bool = False, split=None):
         split = (0,) * len(inputs) if split is None else tuple(split)
-        split = tuple(0 if s is True else None if s is False else s for s in split)
         devices = jax.devices()
         sizes = [np.shape(leaf)[s] for x, s in zip(inputs, split) if s is not None
                  for leaf in jax.tree.leaves(x)]
@@ -331,7 +330,7 @@ def vqgan_gan_step(batch, directory):
         return jax_step(state, batch, rng)[0]
 
     return (f"VQGAN GAN step (disc + LPIPS) 32px ch64 batch {batch}, same weights",
-            Jax(step, state, {"image": images}, jax.random.PRNGKey(1), donate=True, split=(True, False)),
+            Jax(step, state, {"image": images}, jax.random.PRNGKey(1), donate=True, split=(0, None)),
             torch_step)
 
 
@@ -378,7 +377,23 @@ def gpt_sample(batch, steps):
     torch_step = _inference(
         lambda: mingpt.sample(reference, tprefix, steps, temperature=1.0, sample=True, top_k=100))
     return (f"GPT sampling {steps} tokens, batch {batch} (KV cache vs taming's loop)",
-            Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0), split=(True, False)), torch_step)
+            Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0), split=(0, None)), torch_step)
+
+
+def add_cpu_devices_flag(parser):
+    parser.add_argument("--cpu-devices", type=int, default=0,
+                        help="XLA:CPU devices attnjax splits a batch over (0: one per core; 1: one device)")
+
+
+def use_devices(cpu_devices: int):
+    """Before anything touches a JAX device: ``cpu_devices`` XLA:CPU devices (0: one per core),
+    as train.py gives itself (attnjax.parallel: XLA:CPU runs a convolution on one thread); torch
+    on CUDA when JAX runs on a GPU."""
+    if cpu_devices < 0:
+        raise ValueError(f"--cpu-devices={cpu_devices} must be >= 0 (0: one per core)")
+    parallel.set_cpu_devices(cpu_devices or parallel.cpu_cores())
+    global DEVICE
+    DEVICE = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
 
 
 def rows(quick, directory):
@@ -417,16 +432,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small sizes and 2 repeats: a smoke run")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--cpu-devices", type=int, default=0,
-                        help="XLA:CPU devices attnjax splits a batch over (0: one per core; 1: one device)")
+    add_cpu_devices_flag(parser)
     args = parser.parse_args()
-    if args.cpu_devices < 0:
-        raise ValueError(f"--cpu-devices={args.cpu_devices} must be >= 0 (0: one per core)")
-    # Before anything touches a JAX device: XLA:CPU runs a convolution on one thread, so the
-    # batch is split over one device per core, as train.py does (attnjax.parallel).
-    parallel.set_cpu_devices(args.cpu_devices or parallel.cpu_cores())
-    global DEVICE
-    DEVICE = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+    use_devices(args.cpu_devices)
     torch.set_num_threads(os.cpu_count())
     repeats = args.repeats or (2 if args.quick else 5)
 

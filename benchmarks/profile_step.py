@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import compare_torch
-from attnjax import parallel
 from timing import median_seconds
 
 _INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
@@ -125,12 +124,9 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--cpu-devices", type=int, default=0,
-                        help="XLA:CPU devices a row's batch is split over, as in compare_torch (0: one per core)")
+    compare_torch.add_cpu_devices_flag(parser)
     args = parser.parse_args()
-    if args.cpu_devices < 0:
-        raise ValueError(f"--cpu-devices={args.cpu_devices} must be >= 0 (0: one per core)")
-    parallel.set_cpu_devices(args.cpu_devices or parallel.cpu_cores())
+    compare_torch.use_devices(args.cpu_devices)
     peak = matmul_gflops()
     print(f"float32 matmul 2048^3: {peak:.0f} GFLOP/s ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)")
     results = []
