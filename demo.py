@@ -38,12 +38,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from attnjax import checkpoint, parallel, sample  # noqa: E402
-from attnjax.images import save_image_grid  # noqa: E402
-from attnjax.tasks import classification as classification_task  # noqa: E402
-from attnjax.tasks import prior as prior_task  # noqa: E402
-from attnjax.tasks import report  # noqa: E402
-from attnjax.tasks.loop import train_and_evaluate  # noqa: E402
+from attnjax.train import checkpoint, parallel
+from attnjax.inference import generate
+from attnjax.data.images import save_image_grid
+from attnjax.tasks import classification as classification_task
+from attnjax.tasks import prior as prior_task
+from attnjax.train import report
+from attnjax.tasks import train_and_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parent
 STAGES = (("vit", "configs/vit_digits.py"), ("vqgan", "configs/vqgan_digits.py"),
@@ -127,10 +128,10 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
 def complete_and_classify(prior_workdir, vit_config, predict, number, path, shown=10):
     """Completions of the first ``number`` held-out digits from the top half of their codes:
     the fraction the ViT classifies as the original's class; the first ``shown`` go to ``path``."""
-    run = sample.load_prior(prior_workdir)
+    run = generate.load_prior(prior_workdir)
     rows = run.vqgan.grid_shape[0] // 2
-    result = sample.complete_test_images(run, number, rows, jax.random.key(run.config.seed + 2),
-                                         **sample.sampling_settings(run))
+    result = generate.complete_test_images(run, number, rows, jax.random.key(run.config.seed + 2),
+                                         **generate.sampling_settings(run))
     pictures = np.concatenate([result[name][:shown] for name in ("originals", "kept", "completions")])
     save_image_grid(pictures, path, nrow=min(shown, number), scale=4)
     vit_images = (np.clip(result["completions"], 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)) / \
@@ -140,12 +141,12 @@ def complete_and_classify(prior_workdir, vit_config, predict, number, path, show
 
 def sliding_window_sample(prior_workdir, path, label=0):
     """One class-``label`` sample on a code grid twice as wide as the trained one -> its shape."""
-    run = sample.load_prior(prior_workdir)
+    run = generate.load_prior(prior_workdir)
     height, width = run.vqgan.grid_shape
     labels = np.array([label], np.int32) if run.config.num_classes else None
-    codes = sample.sample_codes(run, labels, jax.random.key(run.config.seed + 3), number=1,
-                                grid_shape=(height, 2 * width), **sample.sampling_settings(run))
-    save_image_grid(sample.decode(run, codes), path, nrow=1, scale=4)
+    codes = generate.sample_codes(run, labels, jax.random.key(run.config.seed + 3), number=1,
+                                grid_shape=(height, 2 * width), **generate.sampling_settings(run))
+    save_image_grid(generate.decode(run, codes), path, nrow=1, scale=4)
     return tuple(codes.shape[1:])
 
 

@@ -4,7 +4,7 @@
     python train.py --config configs/vit_cifar10.py --workdir runs/cifar --config.batch_size=256
 
 Rerunning the same command resumes from the workdir's latest checkpoint. The loop itself is
-``attnjax.tasks.loop.train_and_evaluate`` (callable from Python).
+``attnjax.tasks.train_and_evaluate`` (callable from Python).
 
 Exit status: 0 done; 1 failed, with one line on stderr naming the problem (``--verbose``
 adds the traceback); 75 (``EX_TEMPFAIL``) stopped by SIGTERM/SIGINT after saving the current
@@ -15,8 +15,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from attnjax import parallel, preemption
-from attnjax.tasks.loop import train_and_evaluate
+from attnjax.train import parallel, preemption
+from attnjax.tasks import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_digits.py",
                                           "Training config file (configs/*.py[:arg]).")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.attention import dot_product_attention
+from attnjax.ops.attention import dot_product_attention
 from timing import median_seconds
 
 

@@ -31,7 +31,9 @@ import optax
 
 import torch
 
-from attnjax import attention, lpips, parallel, sampling, vit
+from attnjax.ops import attention
+from attnjax.models import lpips, sampling, vit
+from attnjax.train import parallel
 from attnjax.convert.common import make_torchvision_importable
 from attnjax.convert.lpips import lpips_from_torch
 from attnjax.convert.taming import gpt_from_taming, nlayer_discriminator_from_taming, vqgan_from_taming
@@ -273,7 +275,7 @@ def vqgan_gan_step(batch, directory):
     from taming.modules.losses.vqperceptual import VQLPIPSWithDiscriminator
     from taming.modules.vqvae.quantize import VectorQuantizer
 
-    from attnjax.tasks import vqgan as vqgan_task
+    from attnjax.tasks import vqgan
 
     _patch_taming_lpips()
     torch.manual_seed(0)
@@ -296,9 +298,9 @@ def vqgan_gan_step(batch, directory):
         optimizer="adamw", learning_rate=LEARNING_RATE, disc_learning_rate=LEARNING_RATE, warmup_steps=0,
         min_lr_ratio=1.0, weight_decay=0.0, b1=0.5, b2=0.9, grad_clip_norm=0.0, grad_accum_steps=1,
         num_train_steps=1000, reseed_threshold=0.0))
-    model = vqgan_task.create_model(config)
+    model = vqgan.create_model(config)
     images = np.random.default_rng(0).uniform(-1, 1, (batch, 32, 32, 3)).astype(np.float32)
-    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, {"image": images})
+    state = vqgan.create_train_state(jax.random.PRNGKey(0), config, model, {"image": images})
     params = {"autoencoder": ae_variables["params"], "discriminator": disc_variables["params"]}
     # Fresh Adam moments are zeros of the parameters' shapes, so the initial optimiser states
     # already fit the converted weights; only the tree layout must agree.
@@ -306,7 +308,7 @@ def vqgan_gan_step(batch, directory):
         raise ValueError("vqgan_gan_step: converted taming weights do not match the task's parameter tree")
     state = state.replace(**jax.tree.map(jnp.asarray, dict(
         params=params, batch_stats=disc_variables["batch_stats"], quantizer_state=ae_variables.get("vq_state", {}))))
-    jax_step = functools.partial(vqgan_task.train_step, config=config, model=model)
+    jax_step = functools.partial(vqgan.train_step, config=config, model=model)
 
     ae_opt = torch.optim.Adam(autoencoder.parameters(), lr=LEARNING_RATE, betas=(0.5, 0.9))
     d_opt = torch.optim.Adam(loss.discriminator.parameters(), lr=LEARNING_RATE, betas=(0.5, 0.9))
@@ -387,7 +389,7 @@ def add_cpu_devices_flag(parser):
 
 def use_devices(cpu_devices: int):
     """Before anything touches a JAX device: ``cpu_devices`` XLA:CPU devices (0: one per core),
-    as train.py gives itself (attnjax.parallel: XLA:CPU runs a convolution on one thread); torch
+    as train.py gives itself (attnjax.train.parallel: XLA:CPU runs a convolution on one thread); torch
     on CUDA when JAX runs on a GPU."""
     if cpu_devices < 0:
         raise ValueError(f"--cpu-devices={cpu_devices} must be >= 0 (0: one per core)")

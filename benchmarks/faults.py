@@ -29,7 +29,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from attnjax import checkpoint, preemption  # noqa: E402
+from attnjax.train import checkpoint, preemption
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 

@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from attnjax import prior, vit
-from attnjax.tasks import classification, optim
-from attnjax.tasks import vqgan as vqgan_task
+from attnjax.models import gpt, vit
+from attnjax.tasks import classification
+from attnjax.train import optim
+from attnjax.tasks import vqgan
 
 GIB = 2 ** 30
 CAPACITIES_GIB = (16, 80)
@@ -85,13 +86,13 @@ def vit_row(name, variant, image_size):
 
 
 def gpt_row(name):
-    model = prior.GPT(**GPT_1_4B)
+    model = gpt.GPT(**GPT_1_4B)
     indices = jax.ShapeDtypeStruct((1, GPT_1_4B["block_size"]), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), indices)["params"]
     opt_state = jax.eval_shape(optim.make_optimizer(adamw_config()).init, params)
 
     def layered(depth):
-        small = prior.GPT(**{**GPT_1_4B, "n_layer": depth})
+        small = gpt.GPT(**{**GPT_1_4B, "n_layer": depth})
         small_params = jax.eval_shape(small.init, jax.random.PRNGKey(0), indices)["params"]
         loss = lambda p, x: small.apply({"params": p}, x).sum()  # noqa: E731
         return temp_bytes(loss, small_params, indices)
@@ -117,11 +118,11 @@ def vqgan_row(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
-    model = vqgan_task.create_model(config)
+    model = vqgan.create_model(config)
     size = config.model.ddconfig.resolution
     images = jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32)
     state = jax.eval_shape(
-        lambda r, ex: vqgan_task.create_train_state(r, config, model, ex),
+        lambda r, ex: vqgan.create_train_state(r, config, model, ex),
         jax.random.PRNGKey(0), {"image": images})
     params = {"autoencoder": state.params["autoencoder"],
               "discriminator": state.params["discriminator"]}

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import demo  # noqa: E402
-from attnjax.tasks import classification as classification_task  # noqa: E402
-from attnjax.tasks import prior as prior_task  # noqa: E402
+from attnjax.tasks import classification
+from attnjax.tasks import prior as prior_task
 
 ROWS = {
     "vq": {},  # the digits config as it is: cosine codes + dead-code re-seeding
@@ -137,7 +137,7 @@ def main():
     vit_config = demo.load_config("configs/vit_digits.py")
     vit_workdir = args.vit_workdir or os.path.join(args.workdir, "vit")
     vit_stage = demo.run_stage("vit", vit_config, vit_workdir, {})
-    _, predict = classification_task.make_predict(vit_workdir)
+    _, predict = classification.make_predict(vit_workdir)
     results = {**recipe(args),
                "samples_per_class": args.samples_per_class,
                "vit_test_accuracy": vit_stage["metrics"]["eval/accuracy"],

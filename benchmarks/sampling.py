@@ -4,9 +4,9 @@ One small GPT (random weights, converted so all three run the same network) gene
 tokens after a one-token prefix (``block_size = L``) with temperature 1 and top-k, for every
 sequence length ``L`` in {16, 64, 256} and batch in {1, 16, 64}:
 
-* ``cached``: ``attnjax.sampling.sample``, one jit program, key/value cache, one token per
+* ``cached``: ``attnjax.models.sampling.sample``, one jit program, key/value cache, one token per
   ``lax.scan`` step.
-* ``recompute``: ``attnjax.sampling.sample_recompute``, one jit program that runs the full causal
+* ``recompute``: ``attnjax.models.sampling.sample_recompute``, one jit program that runs the full causal
   pass over the fixed-size ``[batch, L]`` buffer for every token.
 * ``taming``: ``taming.modules.transformer.mingpt.sample`` (PyTorch, eager, ``torch.no_grad``,
   ``--torch_threads`` intra-op threads, default 1), which re-runs the model on the growing
@@ -34,8 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from attnjax import sampling  # noqa: E402
-from attnjax.convert.taming import gpt_from_taming  # noqa: E402
+from attnjax.models import sampling
+from attnjax.convert.taming import gpt_from_taming
 from taming.modules.transformer import mingpt  # noqa: E402
 
 MODEL = dict(vocab_size=128, n_layer=2, n_head=4, n_embd=64)

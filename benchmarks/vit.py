@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from attnjax import vit
+from attnjax.models import vit
 from attnjax.convert.common import make_torchvision_importable
 from attnjax.convert.timm import vit_from_timm
 from timing import median_seconds

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from attnjax import checkpoint, data
-from attnjax.tasks import classification as classification_task
-from attnjax.tasks import vqgan as vqgan_task
-from attnjax.tasks.loop import train_and_evaluate
+from attnjax.train import checkpoint
+from attnjax import data
+from attnjax.tasks import classification
+from attnjax.tasks import vqgan
+from attnjax.tasks import train_and_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NO_OPTIONS = dict(l2_normalize=False, usage_decay=0.0, ema_decay=0.0, lookup_dim=0)
@@ -67,9 +68,9 @@ def configure(name, steps):
 
 def reconstruction_accuracy(workdir, vit_workdir):
     """Accuracy of the digits ViT on the VQGAN's reconstructions of the test split."""
-    vit_config, predict = classification_task.make_predict(vit_workdir)
+    vit_config, predict = classification.make_predict(vit_workdir)
     run_config, variables = checkpoint.load(workdir, variables=True)
-    model, variables = vqgan_task.inference_model(run_config, variables)
+    model, variables = vqgan.inference_model(run_config, variables)
     source = data.load_source(run_config.data.name, run_config.data.eval_split, run_config.data.data_dir)
     size = run_config.data.image_size
     images = np.stack([data.resize(np.asarray(source[i]["image"]), size) for i in range(len(source))])

@@ -63,7 +63,7 @@ def classification(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     config.data = data
     config.init_from = ""                 # optional .npz of pretrained params
     config.model_name = "vit"
-    config.model = ml_collections.ConfigDict()  # attnjax.vit.create_vit fields (+ variant)
+    config.model = ml_collections.ConfigDict()  # attnjax.models.vit.create_vit fields (+ variant)
     config.weight_decay = 0.05
     config.grad_clip_norm = 1.0
     config.label_smoothing = 0.1

@@ -1,4 +1,4 @@
-"""The CIFAR ViT of ``attnjax.vit`` (``create_vit("cifar")``: 6 layers, width 256, 8 heads,
+"""The CIFAR ViT of ``attnjax.models.vit`` (``create_vit("cifar")``: 6 layers, width 256, 8 heads,
 MLP 512, patch 4, dropout 0.2) trained from scratch on CIFAR-10.
 
     python train.py --config configs/vit_cifar10.py --workdir runs/cifar10

@@ -6,7 +6,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 import pytest
 
-from attnjax.convert.common import make_torchvision_importable  # noqa: E402
+from attnjax.convert.common import make_torchvision_importable
 
 # timm and lpips import torchvision, whose PyPI build links CUDA libraries the CPU torch lacks.
 make_torchvision_importable()
@@ -27,12 +27,6 @@ def np_rng():
     return np.random.default_rng(0)
 
 
-def assert_close(actual, expected, rtol=1e-5, atol=1e-6, what="value"):
-    """Relative-error check with a small absolute floor for entries near zero."""
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != expected {expected.shape}"
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
 
 
 @pytest.fixture(scope="session")
@@ -45,23 +39,5 @@ def lpips_reference():
     return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
 
 
-def lpips_distance(reference, a, b):
-    """``reference`` on NHWC numpy images -> ``[batch]`` distances."""
-    import torch
-
-    nchw = lambda x: torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
-    with torch.no_grad():
-        return reference(nchw(a), nchw(b)).numpy().reshape(-1)
 
 
-def write_pickle_that_runs_code(path):
-    """A ``.pth`` whose unpickling would call ``print`` (as a real attack would call ``os.system``)."""
-    import torch
-
-    class RunsCode:
-        def __reduce__(self):
-            return (print, ("arbitrary code ran",))
-
-    with open(path, "wb") as f:
-        torch.save({"state_dict": RunsCode()}, f)
-    return path

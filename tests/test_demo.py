@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import demo  # noqa: E402
 
-from attnjax import checkpoint  # noqa: E402
+from attnjax.train import checkpoint
 
 
 def _tiny_vit_config():
@@ -48,9 +48,9 @@ def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(digits
     import jax
     import numpy as np
     from PIL import Image
-    from test_export import trained_runs
+    from helpers import trained_runs
 
-    from attnjax import sample
+    from attnjax.inference import generate
     from attnjax.tasks import classification
 
     runs = trained_runs(digits_dir, str(tmp_path / "runs"))
@@ -60,9 +60,9 @@ def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(digits
     # 3 rows (originals, kept rows, completions) of 4 digits of 8x8 pixels, at scale 4.
     assert np.asarray(Image.open(path)).shape == (4 * (3 * 9 + 1), 4 * (4 * 9 + 1))
 
-    run = sample.load_prior(runs["prior"])
-    completed = sample.complete_test_images(run, 12, 2, jax.random.key(run.config.seed + 2),
-                                            **sample.sampling_settings(run))
+    run = generate.load_prior(runs["prior"])
+    completed = generate.complete_test_images(run, 12, 2, jax.random.key(run.config.seed + 2),
+                                            **generate.sampling_settings(run))
     vit_inputs = (np.clip(completed["completions"], 0, 1) - 0.5) / 0.5
     predicted = np.argmax(np.asarray(predict(vit_inputs)), -1)
     assert fraction == np.mean(predicted == completed["labels"])

@@ -1,19 +1,19 @@
 """The import direction of attnjax/, read from the source with ``ast``: nothing imports upwards.
 
-Layers, bottom to top (a module may import its own layer and those below, never above):
+Each package of attnjax/ is a layer; a module may import its own layer and those below, never
+above (the table below is checked against ``PACKAGES``):
 
-    0    attention, positional                  pure functions
-    1    vit, vqgan, vqgan_loss, lpips, prior,  Linen modules (among themselves: no cycles)
-         sampling, images, transformer,
-         quantizers
-    2    convert/*                              weights from PyTorch and Google files
-    3    data, parallel, checkpoint             infrastructure
-    4.0  tasks/optim, tasks/report              what every task uses
-    4.1  tasks/classification, tasks/vqgan,     the tasks and their registry
-         tasks/prior, tasks/__init__
-    4.2  tasks/loop                             the training loop
-    4.3  export, sample                         inference on trained runs (export.load: jax only)
-    5    train.py, demo.py, benchmarks/         outside the package
+    0  attnjax.ops        pure functions: attention and its kernels, masks, positional
+                          encodings, convolution, losses
+    1  attnjax.models     Linen modules: ViT, Transformer, VQGAN, quantizers, discriminator,
+                          LPIPS, the GPT prior and its sampler
+    2  attnjax.data       TFDS + grain input pipelines, transforms, PNG pictures
+    2  attnjax.convert    weights from and to PyTorch and Google files
+    3  attnjax.train      the loop and what it stands on: optimiser, checkpoints, reliability,
+                          parallelism, metrics
+    4  attnjax.tasks      what each task adds: classification, vqgan, prior
+    5  attnjax.inference  trained runs used: sampling command, export
+    6  train.py, demo.py, benchmarks/ (outside the package)
 
 Only attnjax/convert/ may import PyTorch or its ecosystem.
 """
@@ -24,26 +24,19 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "attnjax"
 
-LAYERS = {
-    "attnjax": 0,  # the package __init__: a docstring and a version
-    "attnjax.blocked_attention": 0,
-    "attnjax.convolution": 0,
-    "attnjax.attention": 0.1,
-    "attnjax.positional": 0,
-    **{f"attnjax.{name}": 1 for name in ("vit", "vqgan", "vqgan_loss", "lpips", "prior", "sampling", "transformer",
-                                         "images", "quantizers")},
-    "attnjax.convert": 2,
-    **{f"attnjax.{name}": 3 for name in ("data", "sharding", "parallel", "checkpoint", "checkpoint_integrity",
-                                         "nonfinite", "preemption", "workdir_lock")},
-    "attnjax.tasks.optim": 4.0,
-    "attnjax.tasks.report": 4.0,
-    **{f"attnjax.tasks.{name}": 4.1 for name in ("classification", "vqgan", "prior")},
-    "attnjax.tasks": 4.1,
-    "attnjax.tasks.loop": 4.2,
-    "attnjax.export": 4.3,
-    "attnjax.sample": 4.3,
-    "attnjax.launch": 5,
-}
+PACKAGES = (  # (package, layer, what it holds), bottom to top
+    ("attnjax.ops", 0, "pure functions: attention and its kernels, masks, positional encodings, "
+                       "convolution, losses"),
+    ("attnjax.models", 1, "Linen modules: ViT, Transformer, VQGAN, quantizers, discriminator, "
+                          "LPIPS, the GPT prior and its sampler"),
+    ("attnjax.data", 2, "TFDS + grain input pipelines, transforms, PNG pictures"),
+    ("attnjax.convert", 2, "weights from and to PyTorch and Google files"),
+    ("attnjax.train", 3, "the loop and what it stands on: optimiser, checkpoints, reliability, "
+                         "parallelism, metrics"),
+    ("attnjax.tasks", 4, "what each task adds: classification, vqgan, prior"),
+    ("attnjax.inference", 5, "trained runs used: sampling command, export"),
+)
+LAYERS = {"attnjax": 0, **{name: layer for name, layer, _ in PACKAGES}}
 TORCH_WORLD = ("torch", "torchvision", "timm", "lpips", "taming")
 MAY_IMPORT_TORCH = ("attnjax.convert",)
 
@@ -153,21 +146,27 @@ def test_no_module_imports_upwards_or_torch_outside_convert():
 
 def test_the_checker_flags_upward_imports_cycles_and_torch():
     files = package_files()
-    files[os.path.join("attnjax", "attention.py")] = (
-        files[os.path.join("attnjax", "attention.py")][0]
-        + "\n\ndef _late():\n    from attnjax import checkpoint\n    import torch\n", False)
-    files[os.path.join("attnjax", "positional.py")] = (
-        files[os.path.join("attnjax", "positional.py")][0] + "\nfrom . import attention\n", False)
-    files[os.path.join("attnjax", "attention.py")] = (
-        files[os.path.join("attnjax", "attention.py")][0] + "\nfrom attnjax import positional\n",
-        False)
+    attention = os.path.join("attnjax", "ops", "attention.py")
+    positional = os.path.join("attnjax", "ops", "positional.py")
+    files[attention] = (
+        files[attention][0]
+        + "\n\ndef _late():\n    from attnjax.train import checkpoint\n    import torch\n"
+        + "\nfrom attnjax.ops import positional\n",
+        False,
+    )
+    files[positional] = (files[positional][0] + "\nfrom . import attention\n", False)
     problems = violations(files)
-    assert any("attnjax/attention.py:" in p and "`from attnjax import checkpoint`" in p
-               and "layer 3" in p for p in problems), problems
-    assert any("attnjax/attention.py:" in p and "`import torch`" in p for p in problems), problems
-    assert any(p.startswith("import cycle:") and "attnjax.attention" in p
-               and "attnjax.positional" in p for p in problems), problems
-
+    assert any(
+        "attnjax/ops/attention.py:" in p
+        and "`from attnjax.train import checkpoint`" in p
+        and "layer 3" in p
+        for p in problems
+    ), problems
+    assert any("attnjax/ops/attention.py:" in p and "`import torch`" in p for p in problems), problems
+    assert any(
+        p.startswith("import cycle:") and "attnjax.ops.attention" in p and "attnjax.ops.positional" in p
+        for p in problems
+    ), problems
 
 
 MAX_MODULE_LINES = 500  # a reader finds any model in one file and reads it in one sitting
@@ -177,3 +176,24 @@ def test_no_module_is_over_500_lines():
     long = {str(path.relative_to(ROOT)): n for path in sorted(PACKAGE.rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
+
+
+def _table_rows() -> list[tuple[str, str, str]]:
+    """The layer table of this module's docstring as ``(layer, package, description)`` rows."""
+    rows = []
+    for line in __doc__.splitlines():
+        if line.startswith("    ") and line.split()[0].isdigit():
+            layer, name, *words = line.split()
+            rows.append([layer, name, " ".join(words)])
+        elif rows and line.startswith(" " * 26) and line.strip():
+            rows[-1][2] += " " + line.strip()
+    return [tuple(row) for row in rows]
+
+
+def test_every_package_is_a_layer_and_the_docstring_table_matches():
+    found = sorted(f"attnjax.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert found == sorted(name for name, _, _ in PACKAGES), "attnjax/ packages != PACKAGES"
+    stray = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert not stray, f"modules outside a layer package: {stray}"
+    documented = [(layer, name, text) for layer, name, text in _table_rows() if name in LAYERS]
+    assert documented == [(str(layer), name, text) for name, layer, text in PACKAGES]

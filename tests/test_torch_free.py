@@ -43,8 +43,8 @@ STEP = textwrap.dedent("""
         modules.append(".".join(parts))
 
     import jax, jax.numpy as jnp, ml_collections, numpy as np
-    from attnjax import lpips
-    from attnjax.tasks import vqgan as vqgan_task
+    from attnjax.models import lpips
+    from attnjax.tasks import vqgan
 
     lpips_model = lpips.LPIPS()
     probe = jnp.zeros((1, 16, 16, 3))
@@ -60,10 +60,10 @@ STEP = textwrap.dedent("""
         loss=dict(disc_start=0, disc_weight=0.0, disc_factor=1.0, codebook_weight=1.0,
                   perceptual_weight=0.5, disc_loss="hinge"),
         discriminator=dict(ndf=8, n_layers=1, norm="batch"), lpips=dict(weights=str(weights))))
-    model = vqgan_task.create_model(config)
+    model = vqgan.create_model(config)
     images = np.random.default_rng(0).uniform(-1, 1, (4, 16, 16, 1)).astype(np.float32)
-    state = vqgan_task.create_train_state(jax.random.key(0), config, model, {"image": images})
-    step = jax.jit(lambda s, b, r: vqgan_task.train_step(s, b, r, config=config, model=model))
+    state = vqgan.create_train_state(jax.random.key(0), config, model, {"image": images})
+    step = jax.jit(lambda s, b, r: vqgan.train_step(s, b, r, config=config, model=model))
     new_state, metrics = step(state, {"image": images}, jax.random.key(1))
 
     autoencoder_vars = {"params": state.params["autoencoder"], "vq_state": state.quantizer_state}
@@ -86,7 +86,7 @@ def test_modules_import_and_a_vqgan_step_with_lpips_runs_without_torch(tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert not report["torch_loaded"]
-    assert {"attnjax.tasks.vqgan", "attnjax.tasks.loop", "attnjax.lpips", "attnjax.checkpoint",
+    assert {"attnjax.tasks.vqgan", "attnjax.train.loop", "attnjax.models.lpips", "attnjax.train.checkpoint",
             "attnjax.tasks.classification", "attnjax.tasks.prior"} <= set(report["modules"])
     assert report["step"] == 1
     assert abs(report["nll_loss"] - report["expected_nll_loss"]) <= 1e-4 * abs(report["expected_nll_loss"])

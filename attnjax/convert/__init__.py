@@ -5,14 +5,14 @@ and only inside functions (torch is a development extra).
   ``.safetensors``, in-memory), the per-layer converters and ``apply_key_table``; their inverses
   and ``export_with_key_table``, which reads a key table backwards.
 - ``torch_nn``: ``torch.nn.MultiheadAttention`` and the ``nn.Transformer`` family
-  (-> ``attnjax.transformer``), and their masks.
+  (-> ``attnjax.models.transformer``), and their masks.
 - ``timm``: timm's ``VisionTransformer`` <-> ``vit.ViT`` (``vit_to_timm``), and the reference
   PyTorch ViT layout -> ``vit.ViT``.
 - ``google_npz``: Google ViT ``.npz`` checkpoints, read and written with numpy alone.
 - ``taming``: taming-transformers' ``VQModel``, ``NLayerDiscriminator`` and minGPT; ``VQModel`` and
   minGPT ``.safetensors`` exports.
 - ``lpips``: torchvision VGG16 + ``lpips`` linear layers, with a command line that writes the
-  converted file ``attnjax.lpips.load_variables`` reads.
+  converted file ``attnjax.models.lpips.load_variables`` reads.
 - ``compare``: a layer-by-layer parity report against the PyTorch original
   (``python -m attnjax.convert.compare``).
 """

@@ -381,8 +381,8 @@ def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: 
     import jax
     import jax.numpy as jnp
 
-    from attnjax.positional import resize_position_embedding
-    from attnjax.vit import create_vit, stack_block_params
+    from attnjax.ops.positional import resize_position_embedding
+    from attnjax.models.vit import create_vit, stack_block_params
 
     patch = as_pair(config["patch_size"])
     config = {**config, "image_size": (grid[0] * patch[0], grid[1] * patch[1]), **overrides}

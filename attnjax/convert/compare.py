@@ -7,7 +7,7 @@ execution order: ``(layer, max_abs, max_rel, ok)``, ``max_rel = max|ours - their
 The first row that is not ``ok`` is where the two first disagree.
 
 Supported: timm ``VisionTransformer`` / attnjax ``ViT``; taming ``VQModel`` parts / ``VQGAN``;
-taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family / ``attnjax.transformer``.
+taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family / ``attnjax.models.transformer``.
 
     python -m attnjax.convert.compare --model timm:vit_tiny_patch16_224
     python -m attnjax.convert.compare --model taming-gpt --checkpoint gpt.safetensors --n-head 8

@@ -1,4 +1,4 @@
-"""Google ViT ``.npz`` checkpoints <-> ``attnjax.vit.ViT``; numpy only, no torch.
+"""Google ViT ``.npz`` checkpoints <-> ``attnjax.models.vit.ViT``; numpy only, no torch.
 
 The published files of google-research/vision_transformer and big_vision store "/"-joined Flax
 paths (optionally under ``params/``, or ``opt/target/`` next to the optimizer's ``opt/state/``).
@@ -178,7 +178,7 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
     scanned (one ``Transformer/encoderblock`` with a leading ``[depth]`` axis) when the model uses
     ``scan_layers``. Either needs learned position embeddings and no ``fc_norm``.
     """
-    from attnjax.vit import unstack_block_params
+    from attnjax.models.vit import unstack_block_params
 
     if layout not in _NPZ_LAYOUTS:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""LPIPS weights -> ``attnjax.lpips.LPIPS``: torchvision's VGG16 trunk plus the ``lpips``
+"""LPIPS weights -> ``attnjax.models.lpips.LPIPS``: torchvision's VGG16 trunk plus the ``lpips``
 package's learned linear layers. Run once to write a numpy file the training code reads without
 torch::
 
@@ -23,12 +23,12 @@ LPIPS_TABLE = (
     (r"lin(\d)\.model\.[01]", r"lin\1", conv2d),
 )
 # Not weights of the perceptual distance: VGG16's classifier, lpips' fixed input scaling (constants
-# in attnjax.lpips), and lpips' ``lins`` list, which holds lin0..lin4 a second time.
+# in attnjax.models.lpips), and lpips' ``lins`` list, which holds lin0..lin4 a second time.
 _NOT_CONVERTED = r"^(classifier|scaling_layer|lins)\."
 
 
 def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
-    """VGG16 + LPIPS linear weights -> ``(attnjax.lpips.LPIPS(), variables)``.
+    """VGG16 + LPIPS linear weights -> ``(attnjax.models.lpips.LPIPS(), variables)``.
 
     ``vgg_state_dict``: torchvision's ``vgg16`` (keys ``features.N.*``; the ``classifier.*`` keys
     are ignored), or a whole ``lpips.LPIPS(net="vgg")`` / taming ``LPIPS`` state dict (keys
@@ -36,7 +36,7 @@ def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
     (keys ``linK.model.1.weight``); omitted when the first state dict already holds them. Each
     may be a module, a mapping or a checkpoint file (``.pth``/``.pt``/``.safetensors``).
     """
-    from attnjax import lpips
+    from attnjax.models import lpips
 
     state = load_state_dict(vgg_state_dict)
     if linear_state_dict is not None:
@@ -58,7 +58,7 @@ def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m attnjax.convert.lpips",
-        description="Convert VGG16 + LPIPS linear weights into the .npz that attnjax.lpips.load_variables reads.",
+        description="Convert VGG16 + LPIPS linear weights into the .npz that attnjax.models.lpips.load_variables reads.",
     )
     parser.add_argument("vgg", help="torchvision vgg16 weights (.pth, .pt or .safetensors)")
     parser.add_argument("linear", nargs="?", help="lpips weights/v0.1/vgg.pth (omit if VGG holds lin* keys)")
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"python -m attnjax.convert.lpips: {message}", file=sys.stderr)
         return 2
-    from attnjax import lpips
+    from attnjax.models import lpips
 
     lpips.save_variables(variables, out)
     print(f"wrote {out}")

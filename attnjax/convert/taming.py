@@ -14,23 +14,8 @@ import pathlib
 
 import numpy as np
 
-from attnjax.convert.common import (
-    TO_TORCH,
-    apply_key_table,
-    batch_norm,
-    check_against_init,
-    conv2d,
-    conv_to_conv2d,
-    embedding,
-    export_with_key_table,
-    group_norm,
-    layer_norm,
-    linear,
-    load_state_dict,
-    norm_to_torch,
-    parameter,
-    take,
-)
+from attnjax.models import discriminator
+from attnjax.convert.common import TO_TORCH, apply_key_table, batch_norm, check_against_init, conv2d, conv_to_conv2d, embedding, export_with_key_table, group_norm, layer_norm, linear, load_state_dict, norm_to_torch, parameter, take
 
 
 def actnorm(state, prefix: str) -> dict:
@@ -95,7 +80,7 @@ def vqgan_from_taming(state_dict, ddconfig, n_embed: int, embed_dim: int, **vqga
     """
     import jax.numpy as jnp
 
-    from attnjax import vqgan
+    from attnjax.models import vqgan
 
     ddconfig = dict(ddconfig)
     if ddconfig.get("double_z", True):
@@ -120,7 +105,6 @@ def nlayer_discriminator_from_taming(state_dict, prefix: str = ""):
     (BatchNorm / ActNorm) and input channels are read off the tensors."""
     import jax.numpy as jnp
 
-    from attnjax import vqgan
 
     if prefix and not prefix.endswith("."):
         prefix += "."
@@ -135,7 +119,7 @@ def nlayer_discriminator_from_taming(state_dict, prefix: str = ""):
         norm = "actnorm"
     else:
         norm = "none"
-    module = vqgan.NLayerDiscriminator(ndf=first.shape[0], n_layers=len(convs) - 2, norm=norm)
+    module = discriminator.NLayerDiscriminator(ndf=first.shape[0], n_layers=len(convs) - 2, norm=norm)
     variables = apply_key_table(
         state, NLAYER_DISCRIMINATOR_TABLE, "nlayer_discriminator_from_taming", skip=_BOOKKEEPING
     )
@@ -145,14 +129,14 @@ def nlayer_discriminator_from_taming(state_dict, prefix: str = ""):
 
 
 def gpt_from_taming(state_dict, n_head: int):
-    """taming ``mingpt.GPT`` state dict -> ``(attnjax.prior.GPT, {"params": ...})``.
+    """taming ``mingpt.GPT`` state dict -> ``(attnjax.models.gpt.GPT, {"params": ...})``.
 
     ``vocab_size``, ``block_size``, ``n_embd`` and ``n_layer`` are read from the tensors
     (``tok_emb.weight [vocab, n_embd]``, ``pos_emb [1, block_size, n_embd]``, ``blocks.N.*``);
     ``n_head`` is not stored in the weights, so it is an argument. Dropouts are 0 (inference).
     A ``Net2NetTransformer`` state dict works too: its ``transformer.`` prefix is stripped.
     """
-    from attnjax.prior import GPT
+    from attnjax.models.gpt import GPT
 
     state = load_state_dict(state_dict)
     if any(key.startswith("transformer.") for key in state):

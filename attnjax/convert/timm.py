@@ -1,4 +1,4 @@
-"""PyTorch Vision Transformers <-> ``attnjax.vit.ViT``: timm's ``VisionTransformer`` both ways,
+"""PyTorch Vision Transformers <-> ``attnjax.models.vit.ViT``: timm's ``VisionTransformer`` both ways,
 and the reference PyTorch ViT layout (``torch.nn.MultiheadAttention`` blocks, Linear patch
 embedding) that ``tests/test_vit.py`` defines and checks against.
 
@@ -21,20 +21,7 @@ import math
 
 import numpy as np
 
-from attnjax.convert.common import (
-    TO_TORCH,
-    apply_key_table,
-    as_pair,
-    dense_to_linear,
-    export_with_key_table,
-    finish_vit,
-    layer_norm,
-    linear,
-    load_state_dict,
-    parameter,
-    square_grid,
-    take,
-)
+from attnjax.convert.common import TO_TORCH, apply_key_table, as_pair, dense_to_linear, export_with_key_table, finish_vit, layer_norm, linear, load_state_dict, parameter, square_grid, take
 
 
 def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -> dict:
@@ -279,7 +266,7 @@ def _image_size(model, params: dict) -> tuple[int, int]:
 
 def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
     """attnjax ``ViT`` variables -> a timm ``VisionTransformer`` state dict (numpy float32)."""
-    from attnjax.vit import unstack_block_params
+    from attnjax.models.vit import unstack_block_params
 
     _check_exportable(model)
     params = variables["params"]

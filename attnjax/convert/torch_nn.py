@@ -1,5 +1,5 @@
 """``torch.nn`` building blocks -> attnjax: ``nn.MultiheadAttention`` and its masks, and the
-``nn.Transformer`` family (-> ``attnjax.transformer``) and its masks.
+``nn.Transformer`` family (-> ``attnjax.models.transformer``) and its masks.
 
 Transformer keys under a layer ``layers.N.`` -> Flax paths under ``layers_N``:
 
@@ -45,7 +45,7 @@ def attention(state: StateDict, prefix: str) -> dict:
 
 
 def mha_from_torch(module):
-    """``torch.nn.MultiheadAttention`` -> ``(attnjax.attention.MultiHeadAttention, variables)``.
+    """``torch.nn.MultiheadAttention`` -> ``(attnjax.models.multihead.MultiHeadAttention, variables)``.
 
     Handles the packed ``in_proj_weight`` [3E, E] (split into query/key/value) and the separate
     ``q/k/v_proj_weight`` a module with ``kdim``/``vdim != embed_dim`` has, with or without bias.
@@ -53,12 +53,12 @@ def mha_from_torch(module):
     ``batch_first=False`` module (``[L, batch, E]``) must be transposed by the caller. Masks
     translate with ``mha_mask_from_torch`` (PyTorch's boolean masks mean the opposite of ours).
     """
-    from attnjax.attention import MultiHeadAttention
+    from attnjax.models.multihead import MultiHeadAttention
 
     if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
         raise NotImplementedError(
             "mha_from_torch: add_bias_kv=True / add_zero_attn=True append extra key/value positions "
-            "that attnjax.attention.MultiHeadAttention does not model"
+            "that attnjax.models.multihead.MultiHeadAttention does not model"
         )
     state = load_state_dict(module)
     params = attention(state, "")
@@ -78,7 +78,7 @@ def mha_mask_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int
     means "may attend". Float and boolean masks together give an additive (float) mask, as in
     PyTorch. Returns None when both are None.
     """
-    from attnjax.attention import combine_masks
+    from attnjax.ops.masks import combine_masks
 
     masks = []
     if attn_mask is not None:
@@ -187,14 +187,14 @@ def _stack_settings(stack, where: str) -> tuple[dict, int, bool]:
 
 def transformer_from_torch(module):
     """Any of torch's ``TransformerEncoderLayer``, ``TransformerDecoderLayer``, ``TransformerEncoder``,
-    ``TransformerDecoder``, ``Transformer`` -> ``(attnjax.transformer module, {"params": ...})``.
+    ``TransformerDecoder``, ``Transformer`` -> ``(attnjax.models.transformer module, {"params": ...})``.
 
     The Flax module's ``batch_first`` records the torch module's: with ``batch_first=False`` it
     takes and returns torch's ``[length, batch, d_model]`` arrays. Masks translate with
     ``transformer_masks_from_torch``. torch's ``enable_nested_tensor`` fast path zeroes the outputs
     at padded positions in eval mode; attnjax computes them like torch's training-mode math.
     """
-    from attnjax import transformer
+    from attnjax.models import transformer
 
     kind = type(module).__name__
     if kind not in TRANSFORMER_KINDS:
@@ -245,7 +245,7 @@ def transformer_masks_from_torch(
     ``is_causal`` is torch's hint that ``mask`` is the causal mask; with no ``mask`` it builds
     one (self-attention, ``L = S`` from ``key_padding_mask``). Returns None when there is no mask.
     """
-    from attnjax.attention import causal_mask
+    from attnjax.ops.masks import causal_mask
 
     if mask is not None and np.ndim(to_numpy(mask)) == 3 and num_heads is None:
         raise ValueError(

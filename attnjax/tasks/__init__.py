@@ -1,6 +1,6 @@
 """Training tasks: what a run optimises, selected by ``config.task``.
 
-The generic loop (``attnjax.tasks.loop.train_and_evaluate``: progress bar, logging, eval
+The generic loop (``attnjax.train.loop``: progress bar, logging, eval
 schedule, checkpoints, resume, data parallelism) is written once; a task is a module that
 supplies the model-specific parts as free functions. ``train.py`` only parses flags.
 
@@ -15,7 +15,7 @@ any container of them, e.g. a dict ``{"autoencoder": ..., "discriminator": ...}`
         ``batch_stats``, ``ema_params``, ...). ``example_batch`` is one host batch (dict of
         numpy arrays, leading dim = per-process batch) for shape inference. Static things
         (the model, the optax transformation) stay out of the state: rebuild them from the
-        config (``attnjax.tasks.optim.make_optimizer``) inside the step functions.
+        config (``attnjax.train.optim.make_optimizer``) inside the step functions.
 
     train_step(state, batch, rng, *, config, model, axis_name=None) -> (state, metrics)
         Pure and jit-able. ``batch`` is a dict of arrays ``[batch, ...]``; ``rng`` is a key
@@ -61,6 +61,8 @@ from __future__ import annotations
 import importlib
 import types
 
+from attnjax.train import loop
+
 # Task name -> module path; modules are imported on demand so that a classification run never
 # imports the VQGAN or prior code.
 TASKS = {
@@ -70,6 +72,14 @@ TASKS = {
 }
 
 REQUIRED = ("create_model", "create_train_state", "train_step", "eval_step")
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Trains ``config.task`` in ``workdir`` with the shared loop (``attnjax.train.loop``),
+    resuming from the workdir's latest checkpoint if any; returns the final metrics."""
+    if "task" not in config:
+        raise ValueError("config lacks the training-loop field 'task'.")
+    return loop.train_and_evaluate(config, workdir, get_task(config.task))
 
 
 def get_task(name: str) -> types.ModuleType:

@@ -1,9 +1,9 @@
 """Image classification with a ViT: cross-entropy with label smoothing, accuracy, optional EMA.
 
 Batches: ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
-Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.vit.create_vit``, ``variant``
+Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.models.vit.create_vit``, ``variant``
 for a named variant), ``init_from`` (optional pretrained params, see ``load_pretrained``),
-``label_smoothing``, and the optimiser fields of ``attnjax.tasks.optim``.
+``label_smoothing``, and the optimiser fields of ``attnjax.train.optim``.
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax import checkpoint, positional, vit
-from attnjax.tasks import optim
+from attnjax.train import checkpoint
+from attnjax.ops import positional
+from attnjax.models import vit
+from attnjax.train import optim
 
 MODELS = {"vit": vit.create_vit}
 
@@ -201,7 +203,7 @@ def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:
     ``images``: float ``[batch, H, W, C]`` normalised like the run's eval data
     (``attnjax.data``); ``logits``: ``[batch, num_classes]``. ``predict`` is jit-compiled with
     the parameters closed over (one compilation per input shape). ``load_kwargs`` go to
-    ``attnjax.checkpoint.load`` (``step``, ``best``, ``use_ema``).
+    ``attnjax.train.checkpoint.load`` (``step``, ``best``, ``use_ema``).
     """
     config, model_variables = checkpoint.load(workdir, variables=True, **load_kwargs)
     model = create_model(config)

@@ -18,9 +18,9 @@ sampled with ``config.sampling`` (temperature, top_k, top_p) and decoded by the 
 Config: ``vqgan_workdir``, ``vqgan_step`` (None: latest), ``num_classes`` (0: unconditional),
 ``class_dropout`` (the fraction of training sequences whose class token is replaced by the null
 token, so that sampling can use classifier-free guidance ``sampling.guidance``; 0: off),
-``model`` (``attnjax.prior.GPT`` fields other than vocab/block size, which come from the VQGAN),
+``model`` (``attnjax.models.gpt.GPT`` fields other than vocab/block size, which come from the VQGAN),
 ``data.train_shifts``, ``sampling``, ``codes_cache_dir``, and the optimiser fields of
-``attnjax.tasks.optim``.
+``attnjax.train.optim``.
 """
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from attnjax import checkpoint, data, prior
-from attnjax.images import save_image_grid
-from attnjax.prior import null_tokens, prefix_tokens
-from attnjax.sampling import sample
-from attnjax.tasks import optim
+from attnjax.train import checkpoint
+from attnjax import data
+from attnjax.models import gpt
+from attnjax.data.images import save_image_grid
+from attnjax.models.gpt import null_tokens, prefix_tokens
+from attnjax.models.sampling import sample
+from attnjax.train import optim
 from attnjax.tasks import vqgan as vqgan_task
 
 
@@ -186,12 +188,12 @@ def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def create_model(config) -> prior.GPT:
+def create_model(config) -> gpt.GPT:
     """A ``GPT`` over the VQGAN's codes: vocab = codes + class tokens, block = the token grid."""
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     height, width = vqgan.grid_shape
-    return prior.GPT(
-        vocab_size=prior.vocab_size(vqgan.model.n_embed, config.num_classes,
+    return gpt.GPT(
+        vocab_size=gpt.vocab_size(vqgan.model.n_embed, config.num_classes,
                                     trained_with_null_class(config)),
         block_size=height * width,
         **config.model.to_dict(),
@@ -264,17 +266,17 @@ def sampling_guidance(config) -> float | None:
 
 
 def _codebook_size(config, model) -> int:
-    return model.vocab_size - prior.vocab_size(0, config.num_classes, trained_with_null_class(config))
+    return model.vocab_size - gpt.vocab_size(0, config.num_classes, trained_with_null_class(config))
 
 
 def _prefix(config, model, batch, rng=None):
     """The prefix column; in training (``rng`` given) the class is hidden with ``class_dropout``."""
     codebook_size = _codebook_size(config, model)
     batch_size = batch["codes"].shape[0]
-    prefix = prior.prefix_tokens(batch["label"], codebook_size, config.num_classes, batch_size)
+    prefix = gpt.prefix_tokens(batch["label"], codebook_size, config.num_classes, batch_size)
     if rng is not None and trained_with_null_class(config):
         hidden = jax.random.bernoulli(rng, config.class_dropout, (batch_size, 1))
-        prefix = jnp.where(hidden, prior.null_tokens(codebook_size, config.num_classes, batch_size),
+        prefix = jnp.where(hidden, gpt.null_tokens(codebook_size, config.num_classes, batch_size),
                            prefix)
     return prefix
 
@@ -286,15 +288,15 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     prefix = _prefix(config, model, batch, class_rng)
 
     def loss_fn(params):
-        logits = prior.sequence_logits(model, params, codes, prefix, deterministic=False,
+        logits = gpt.sequence_logits(model, params, codes, prefix, deterministic=False,
                                        rngs={"dropout": dropout_rng})
-        return prior.cross_entropy(logits, codes), logits
+        return gpt.cross_entropy(logits, codes), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == codes)}
     state, metrics = optim.apply_gradients(state, grads, metrics, config=config, tx=tx,
                                            axis_name=axis_name)
-    metrics["bits_per_token"] = prior.bits_per_token(metrics["loss"])
+    metrics["bits_per_token"] = gpt.bits_per_token(metrics["loss"])
     return state, metrics
 
 
@@ -304,14 +306,14 @@ def _eval_params(state: TrainState):
 
 def eval_step(state: TrainState, batch, *, config, model):
     codes, mask = batch["codes"], batch["mask"]
-    logits = prior.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
-    nll = jax.vmap(lambda l, c: prior.cross_entropy(l[None], c[None]))(logits, codes)
+    logits = gpt.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
+    nll = jax.vmap(lambda l, c: gpt.cross_entropy(l[None], c[None]))(logits, codes)
     correct = jnp.mean((jnp.argmax(logits, -1) == codes).astype(jnp.float32), axis=-1)
-    return {"nll": jnp.sum(nll * mask), "bits_per_token": jnp.sum(prior.bits_per_token(nll) * mask),
+    return {"nll": jnp.sum(nll * mask), "bits_per_token": jnp.sum(gpt.bits_per_token(nll) * mask),
             "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
 
 
-def sample_codes(model: prior.GPT, params, labels, rng, *, grid_shape, codebook_size: int,
+def sample_codes(model: gpt.GPT, params, labels, rng, *, grid_shape, codebook_size: int,
                  num_classes: int, num_samples: int | None = None, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  guidance: float | None = None):
@@ -326,7 +328,7 @@ def sample_codes(model: prior.GPT, params, labels, rng, *, grid_shape, codebook_
     return codes.reshape(batch, height, width)
 
 
-def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
+def sample_images(model: gpt.GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
                   codebook_size: int, num_classes: int, num_samples: int | None = None,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   guidance: float | None = None, mean=0.5, std=0.5, path: str | None = None,
@@ -341,9 +343,9 @@ def sample_images(model: prior.GPT, params, vqgan, vqgan_variables, labels, rng,
         (then ``num_samples`` gives the batch).
       rng: PRNG key of the sampler.
       grid_shape: the token grid ``(h, w)``; ``h * w`` tokens are sampled in raster order.
-      codebook_size, num_classes: the prior's vocabulary (see ``attnjax.prior.prefix_tokens``).
+      codebook_size, num_classes: the prior's vocabulary (see ``attnjax.models.gpt.prefix_tokens``).
       temperature, top_k, top_p, guidance: the sampler's (guidance needs a prior trained with
-        a null class; see ``attnjax.prior.vocab_size``).
+        a null class; see ``attnjax.models.gpt.vocab_size``).
       mean, std: the VQGAN's pixel normalisation; images are returned as ``x * std + mean``
         (in [0, 1] for a well trained model).
       path: if given, the images are saved there as a PNG grid of ``nrow`` columns.

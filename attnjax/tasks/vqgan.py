@@ -14,18 +14,18 @@ Each step:
    ``lax.cond`` skipping it made the XLA:CPU step over ten times slower, not faster);
 2. discriminator update on the same reconstructions (taming recomputes them with the updated
    autoencoder; one forward pass less here), its loss also gated by ``disc_start``;
-3. dead-code re-seeding (``vqgan.reseed_dead_codes``) when ``config.reseed_threshold > 0``.
+3. dead-code re-seeding (``vector_quantizer.reseed_dead_codes``) when ``config.reseed_threshold > 0``.
 
 Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, ``model.beta``,
 ``model.quantizer`` (``kind``: "vq", "fsq", "lfq" or "simvq", ``rotation_trick``, and the
-``attnjax.quantizers.make_quantizer`` options of each kind: ``legacy``, ``l2_normalize``,
+``attnjax.models.quantizers.make_quantizer`` options of each kind: ``legacy``, ``l2_normalize``,
 ``lookup_dim``, ``ema_decay``, ``usage_decay``, ``fsq_levels``, ``lfq_*``; 0 switches a numeric
 option off), ``reseed_threshold`` (kind "vq" only), ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
 ``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
 ``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
-``attnjax.lpips.load_variables``; "" turns the perceptual term off, and the log says so; torch is
-never needed here), ``disc_learning_rate`` and the ``attnjax.tasks.optim``
+``attnjax.models.lpips.load_variables``; "" turns the perceptual term off, and the log says so; torch is
+never needed here), ``disc_learning_rate`` and the ``attnjax.train.optim``
 fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
 
 Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
@@ -48,9 +48,12 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax import lpips, quantizers, vqgan, vqgan_loss
-from attnjax.images import save_image_grid
-from attnjax.tasks import optim
+from attnjax.models import vector_quantizer
+from attnjax.models.discriminator import NLayerDiscriminator
+from attnjax.models import lpips, quantizers, vqgan
+from attnjax.ops import vqgan_loss
+from attnjax.data.images import save_image_grid
+from attnjax.train import optim
 
 
 @flax.struct.dataclass
@@ -90,7 +93,7 @@ def create_model(config) -> dict:
     autoencoder = create_autoencoder(config)
     discriminator = None
     if config.loss.get("disc_weight", 0.0) > 0:
-        discriminator = vqgan.NLayerDiscriminator(**config.discriminator.to_dict())
+        discriminator = NLayerDiscriminator(**config.discriminator.to_dict())
     lpips_model = None
     if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
         logging.warning("config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
@@ -204,7 +207,7 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     if _reseeds(config):
         # The same key on every device: the reseeded codebook must stay replicated.
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1), step)
-        autoencoder_params, vq_state, reseeded = vqgan.reseed_dead_codes(
+        autoencoder_params, vq_state, reseeded = vector_quantizer.reseed_dead_codes(
             params["autoencoder"], vq_state, latents, key, config.reseed_threshold)
         params = dict(params, autoencoder=autoencoder_params)
         metrics["reseeded_codes"] = reseeded.astype(jnp.float32)
@@ -255,7 +258,7 @@ def eval_step(state: TrainState, batch, *, config, model):
     psnr = -10.0 * jnp.log10(jnp.maximum(mse, 1e-10))
     count = jnp.sum(mask)
     indices = aux["indices"]
-    codebook = vqgan.codebook_statistics(indices, autoencoder.n_embed, mask)
+    codebook = vector_quantizer.codebook_statistics(indices, autoencoder.n_embed, mask)
     sums = {"l1": jnp.sum(l1 * mask), "psnr": jnp.sum(psnr * mask), "count": count,
             "perplexity": codebook["perplexity"] * count, "codebook_usage": codebook["codebook_usage"] * count}
     if disc is not None:

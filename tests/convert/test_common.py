@@ -6,7 +6,7 @@ import flax.linen as nn
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close, write_pickle_that_runs_code
+from helpers import assert_close, write_pickle_that_runs_code
 from safetensors.torch import save_file
 
 from attnjax.convert import common

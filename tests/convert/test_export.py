@@ -4,13 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from helpers import assert_close
 from taming.modules.diffusionmodules.model import Decoder as TorchDecoder
 from taming.modules.diffusionmodules.model import Encoder as TorchEncoder
 from taming.modules.transformer import mingpt
 from taming.modules.vqvae.quantize import VectorQuantizer as TorchVectorQuantizer
 
-from attnjax import prior, vit, vqgan
+from attnjax.models import gpt, vit, vqgan
 from attnjax.convert import common, taming, timm
 
 DDCONFIG = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), in_channels=3,
@@ -91,7 +91,7 @@ def test_vqgan_safetensors_load_into_taming(tmp_path):
 
 
 def test_gpt_safetensors_load_into_mingpt(tmp_path):
-    model = prior.GPT(vocab_size=37, block_size=12, n_layer=2, n_head=4, n_embd=32)
+    model = gpt.GPT(vocab_size=37, block_size=12, n_layer=2, n_head=4, n_embd=32)
     tokens = np.random.default_rng(0).integers(0, 37, (2, 12))
     variables = _perturbed(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.asarray(tokens)), seed=3)
     path = taming.save_gpt(model, variables, tmp_path / "gpt.safetensors")
@@ -105,7 +105,7 @@ def test_gpt_safetensors_load_into_mingpt(tmp_path):
 def test_failed_export_leaves_existing_files_alone(tmp_path):
     target = tmp_path / "gpt.safetensors"
     target.write_bytes(b"keep")
-    model = prior.GPT(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4)
+    model = gpt.GPT(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4)
     variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="must end in .safetensors"):
         taming.save_gpt(model, variables, tmp_path / "gpt.pt")

@@ -8,20 +8,20 @@ import sys
 import chex
 import numpy as np
 import pytest
-from conftest import assert_close
+from helpers import assert_close
 from timm.models import vision_transformer as timm_vit
 
 from attnjax.convert.google_npz import load_google_npz, save_google_npz
 from attnjax.convert.timm import vit_from_timm
 
-from .test_timm import _images, _logits, _timm_logits, _timm_vit
+from helpers import random_images, jax_logits, timm_logits, random_timm_vit
 
 
 def _write_and_check_timm_reads_it(path, model, variables, timm_kwargs, images):
     """timm's own Google .npz reader is an independent check of the layout we write."""
-    reader = _timm_vit(seed=7, **timm_kwargs)
+    reader = random_timm_vit(seed=7, **timm_kwargs)
     timm_vit._load_weights(reader, str(path))
-    assert_close(_timm_logits(reader.eval(), images), _logits(model, variables, images), what=f"timm reads {path.name}")
+    assert_close(timm_logits(reader.eval(), images), jax_logits(model, variables, images), what=f"timm reads {path.name}")
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def _write_and_check_timm_reads_it(path, model, variables, timm_kwargs, images):
     [("vision_transformer", {}, False), ("big_vision", dict(no_embed_class=True), True)],
 )
 def test_google_npz_round_trip(tmp_path, layout, timm_kwargs, scan):
-    reference = _timm_vit(**timm_kwargs)
+    reference = random_timm_vit(**timm_kwargs)
     model, variables = vit_from_timm(reference, scan_layers=scan)
     path = save_google_npz(tmp_path / f"{layout}.npz", model, variables, layout=layout)
     with np.load(path) as archive:
@@ -41,25 +41,25 @@ def test_google_npz_round_trip(tmp_path, layout, timm_kwargs, scan):
         assert "Transformer/encoderblock/MlpBlock_0/Dense_0/kernel" in keys and "pos_embedding" in keys
     loaded, loaded_variables = load_google_npz(path)
     assert (loaded.num_heads, loaded.depth, loaded.no_embed_class) == (3, 2, layout == "big_vision")
-    images = _images(2, 16, seed=4)
-    expected = _timm_logits(reference, images)
-    assert_close(_logits(loaded, loaded_variables, images), expected, what=f"{layout} npz logits")
+    images = random_images(2, 16, seed=4)
+    expected = timm_logits(reference, images)
+    assert_close(jax_logits(loaded, loaded_variables, images), expected, what=f"{layout} npz logits")
     _write_and_check_timm_reads_it(path, loaded, loaded_variables, timm_kwargs, images)
 
 
 def test_google_npz_with_params_prefix(tmp_path):
-    model, variables = vit_from_timm(_timm_vit(depth=3))
+    model, variables = vit_from_timm(random_timm_vit(depth=3))
     path = save_google_npz(tmp_path / "vit.npz", model, variables)
     with np.load(path) as archive:
         np.savez(tmp_path / "prefixed.npz", **{f"params/{k}": archive[k] for k in archive.files})
     loaded, loaded_variables = load_google_npz(tmp_path / "prefixed.npz")
     assert loaded.depth == 3
-    images = _images(2, 16, seed=5)
-    assert_close(_logits(loaded, loaded_variables, images), _logits(model, variables, images), what="prefixed")
+    images = random_images(2, 16, seed=5)
+    assert_close(jax_logits(loaded, loaded_variables, images), jax_logits(model, variables, images), what="prefixed")
 
 
 def test_google_npz_fine_tuning_overrides(tmp_path):
-    model, variables = vit_from_timm(_timm_vit())
+    model, variables = vit_from_timm(random_timm_vit())
     path = save_google_npz(tmp_path / "vit.npz", model, variables)
     tuned, tuned_variables = load_google_npz(path, image_size=24, num_classes=7, scan_layers=True)
     params = tuned_variables["params"]
@@ -67,14 +67,14 @@ def test_google_npz_fine_tuning_overrides(tmp_path):
     assert_close(params["pos_embed"]["pos_embedding"][:, 0], variables["params"]["pos_embed"]["pos_embedding"][:, 0],
                  what="class token position is kept")
     assert params["head"]["kernel"].shape == (24, 7) and not np.any(params["head"]["kernel"])
-    assert _logits(tuned, tuned_variables, _images(1, 24)).shape == (1, 7)
+    assert jax_logits(tuned, tuned_variables, random_images(1, 24)).shape == (1, 7)
 
 
 def test_google_npz_bad_files(tmp_path):
     np.savez(tmp_path / "other.npz", weights=np.zeros(3))
     with pytest.raises(ValueError, match="no 'embedding/kernel'"):
         load_google_npz(tmp_path / "other.npz")
-    model, variables = vit_from_timm(_timm_vit(global_pool="avg"))
+    model, variables = vit_from_timm(random_timm_vit(global_pool="avg"))
     with pytest.raises(ValueError, match="no fc_norm"):
         save_google_npz(tmp_path / "gap.npz", model, variables)
 
@@ -84,7 +84,7 @@ def test_google_npz_bad_files(tmp_path):
 def test_google_npz_under_opt_target_next_to_optimizer_state(tmp_path):
     """A training checkpoint stores the weights under opt/target/ and the optimizer's moments
     under opt/state/: the moments are not weights and must not make the file unreadable."""
-    model, variables = vit_from_timm(_timm_vit())
+    model, variables = vit_from_timm(random_timm_vit())
     path = save_google_npz(tmp_path / "vit.npz", model, variables)
     with np.load(path) as archive:
         arrays = {f"opt/target/{k}": archive[k] for k in archive.files}
@@ -103,7 +103,7 @@ def test_google_npz_under_opt_target_next_to_optimizer_state(tmp_path):
 
 def test_google_npz_module_imports_no_torch(tmp_path):
     """Reading a converted checkpoint at training time must not need torch."""
-    model, variables = vit_from_timm(_timm_vit())
+    model, variables = vit_from_timm(random_timm_vit())
     path = save_google_npz(tmp_path / "vit.npz", model, variables)
     script = (
         "import sys\n"

@@ -13,9 +13,9 @@ import pytest
 import safetensors.torch
 import torch
 import torchvision
-from conftest import assert_close, lpips_distance
+from helpers import assert_close, lpips_distance
 
-from attnjax import lpips
+from attnjax.models import lpips
 from attnjax.convert.lpips import lpips_from_torch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

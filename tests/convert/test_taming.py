@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from helpers import assert_close
 from taming.modules.discriminator.model import NLayerDiscriminator as TorchDiscriminator
 from taming.modules.transformer import mingpt
 

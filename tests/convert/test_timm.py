@@ -13,37 +13,18 @@ import pytest
 import safetensors.torch
 import timm
 import torch
-from conftest import assert_close, write_pickle_that_runs_code
-from timm.models import vision_transformer as timm_vit
+from helpers import assert_close, jax_logits, random_images, random_timm_vit, timm_logits, write_pickle_that_runs_code
 
-from attnjax import vit
+from attnjax.models import vit
 from attnjax.convert.timm import vit_from_timm, vit_from_torch_reference
 
 
-def _timm_vit(seed=0, **kwargs):
-    """A small timm VisionTransformer with every parameter randomised, in eval mode."""
-    config = dict(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=5)
-    config.update(kwargs)
-    torch.manual_seed(seed)
-    model = timm_vit.VisionTransformer(**config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    return model.eval()
 
 
-def _images(batch, size, channels=3, seed=0):
-    height, width = (size, size) if isinstance(size, int) else size
-    return np.random.default_rng(seed).standard_normal((batch, height, width, channels)).astype(np.float32)
 
 
-def _timm_logits(model, images_nhwc):
-    with torch.no_grad():
-        return model(torch.from_numpy(images_nhwc).permute(0, 3, 1, 2).contiguous()).numpy()
 
 
-def _logits(model, variables, images):
-    return np.asarray(jax.jit(model.apply)(variables, images))
 
 
 def test_vit_tiny_patch16_224_matches_timm():
@@ -56,9 +37,9 @@ def test_vit_tiny_patch16_224_matches_timm():
     model, variables = vit_from_timm(reference)
     assert (model.width, model.depth, model.num_heads, model.mlp_dim, model.num_classes) == (192, 12, 3, 768, 1000)
     assert model.layer_norm_eps == 1e-6 and model.pool == "cls"
-    images = _images(2, 224)
-    expected = _timm_logits(reference, images)
-    assert_close(_logits(model, variables, images), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
+    images = random_images(2, 224)
+    expected = timm_logits(reference, images)
+    assert_close(jax_logits(model, variables, images), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
                  what="vit_tiny_patch16_224 logits")
 
 
@@ -74,24 +55,24 @@ def test_vit_tiny_patch16_224_matches_timm():
     ids=["token", "avg", "avg-no-cls", "no-embed-class", "non-square"],
 )
 def test_logits_match_timm(kwargs, size):
-    reference = _timm_vit(**kwargs)
+    reference = random_timm_vit(**kwargs)
     model, variables = vit_from_timm(reference)
     assert model.pool == ("gap" if kwargs.get("global_pool") == "avg" else "cls")
-    images = _images(3, size, seed=1)
-    assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"timm {kwargs} logits")
+    images = random_images(3, size, seed=1)
+    assert_close(jax_logits(model, variables, images), timm_logits(reference, images), what=f"timm {kwargs} logits")
 
 
 def test_scan_layers_with_converted_weights_matches_timm():
-    reference = _timm_vit(depth=3)
+    reference = random_timm_vit(depth=3)
     model, variables = vit_from_timm(reference, scan_layers=True)
     assert model.scan_layers and variables["params"]["blocks"]["norm1"]["scale"].shape == (3, 24)
-    images = _images(2, 16, seed=2)
-    assert_close(_logits(model, variables, images), _timm_logits(reference, images), what="scanned logits")
+    images = random_images(2, 16, seed=2)
+    assert_close(jax_logits(model, variables, images), timm_logits(reference, images), what="scanned logits")
 
 
 @pytest.mark.parametrize("fmt", ["torch.save", "safetensors"])
 def test_state_dict_files(tmp_path, fmt):
-    reference = _timm_vit(global_pool="avg")
+    reference = random_timm_vit(global_pool="avg")
     if fmt == "safetensors":
         path = tmp_path / "vit.safetensors"
         safetensors.torch.save_file(reference.state_dict(), str(path))
@@ -102,8 +83,8 @@ def test_state_dict_files(tmp_path, fmt):
         vit_from_timm(path)
     model, variables = vit_from_timm(path, num_heads=3)
     assert (model.pool, model.image_size) == ("gap", (16, 16))
-    images = _images(2, 16, seed=3)
-    assert_close(_logits(model, variables, images), _timm_logits(reference, images), what=f"{fmt} logits")
+    images = random_images(2, 16, seed=3)
+    assert_close(jax_logits(model, variables, images), timm_logits(reference, images), what=f"{fmt} logits")
 
 
 def test_checkpoint_with_code_is_refused(tmp_path):
@@ -114,9 +95,9 @@ def test_checkpoint_with_code_is_refused(tmp_path):
 
 def test_unsupported_timm_parts_raise():
     with pytest.raises(ValueError, match=r"ls1\.gamma"):
-        vit_from_timm(_timm_vit(init_values=1e-5))
+        vit_from_timm(random_timm_vit(init_values=1e-5))
     with pytest.raises(ValueError, match="global_pool='max'"):
-        vit_from_timm(_timm_vit(global_pool="max"))
+        vit_from_timm(random_timm_vit(global_pool="max"))
 
 
 def test_torch_reference_state_dict_needs_heads():

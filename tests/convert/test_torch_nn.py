@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from helpers import assert_close
 
 from attnjax.convert.torch_nn import mha_from_torch, mha_mask_from_torch
 

@@ -1,4 +1,4 @@
-"""attnjax.transformer equals torch's nn.Transformer family (outputs and gradients) to 1e-5."""
+"""attnjax.models.transformer equals torch's nn.Transformer family (outputs and gradients) to 1e-5."""
 import copy
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_close
+from helpers import assert_close
 
 from attnjax.convert.torch_nn import transformer_from_torch, transformer_masks_from_torch
 

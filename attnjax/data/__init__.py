@@ -1,0 +1,37 @@
+"""Input data: TFDS sources read through grain (``pipeline``), per-example transforms
+(``transforms``), the embedded digits dataset (``digits``) and PNG pictures (``images``).
+
+The pipeline's public functions are re-exported here, so a caller writes ``data.make_datasets``.
+"""
+from attnjax.data.digits import DIGITS_TEST_SIZE, EMBEDDED_BUILDERS, Digits
+from attnjax.data.pipeline import (
+    IN_MEMORY_BYTES,
+    Datasets,
+    default_data_dir,
+    load_source,
+    make_datasets,
+    make_iterator,
+    padded_eval_dataset,
+    per_process_batch_size,
+    process_batches,
+    records_in_memory,
+)
+from attnjax.data.transforms import random_crop_flip, resize
+
+__all__ = [
+    "DIGITS_TEST_SIZE",
+    "EMBEDDED_BUILDERS",
+    "IN_MEMORY_BYTES",
+    "Datasets",
+    "Digits",
+    "default_data_dir",
+    "load_source",
+    "make_datasets",
+    "make_iterator",
+    "padded_eval_dataset",
+    "per_process_batch_size",
+    "process_batches",
+    "random_crop_flip",
+    "records_in_memory",
+    "resize",
+]

@@ -1,0 +1,193 @@
+"""Transformer prior over VQGAN code indices: taming's minGPT in Flax, and its token helpers.
+
+The model is minGPT as taming-transformers uses it (``taming.modules.transformer.mingpt.GPT``):
+token embedding + learned position embedding ``[1, block_size, n_embd]``, embedding dropout,
+``n_layer`` pre-LN blocks (causal self-attention, then an MLP ``n_embd -> 4 n_embd -> n_embd``
+with exact GELU), a final LayerNorm and a bias-free head onto the vocabulary. LayerNorms use
+PyTorch's ``eps=1e-5``. Parameter names follow taming's so ``convert.taming.gpt_from_taming`` is
+a table: ``tok_emb``, ``pos_emb``, ``blocks_N/{ln1, attn/{query,key,value,out}, ln2,
+mlp/{fc1,fc2}}``, ``ln_f``, ``head``.
+
+Sequences and vocabulary. An image is ``num_codes`` indices in raster order (row by row of the
+VQGAN's token grid). One prefix token comes first, as taming's ``Net2NetTransformer`` prepends
+``c_indices``:
+
+* class-conditional: class ``c`` is token ``codebook_size + c``; vocab ``codebook_size +
+  num_classes``. (taming's ``Labelator`` uses the raw class id, sharing ids with the codes; the
+  offset keeps a class token and a code apart. A taming model trained that way is sampled here
+  by passing its raw ids as ``prefix``.)
+* unconditional: a start token ``codebook_size`` (taming's ``SOSProvider``); vocab
+  ``codebook_size + 1``.
+* classifier-free guidance (beyond taming): a class-conditional prior trained with the class
+  sometimes replaced by a null token ``codebook_size + num_classes`` (vocab + 1) is also an
+  unconditional one; sampling can then push the logits away from the unconditional ones,
+  ``u + w (c - u)``, for samples that look more like their class.
+
+The model reads ``[prefix, code_0 .. code_{n-2}]`` (``block_size = num_codes``) and position
+``i`` predicts ``code_i``, exactly taming's ``logits[:, c_len - 1:]``. Sampling never emits a
+prefix token: logits at ids ``>= codebook_size`` are masked out (``num_codes`` of the samplers).
+
+The samplers live in ``attnjax.models.sampling``.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attnjax.models.multihead import MultiHeadAttention
+
+Array = jax.Array
+_INIT = nn.initializers.normal(stddev=0.02)  # minGPT's init for Linear and Embedding weights
+_LN_EPS = 1e-5  # torch.nn.LayerNorm's default
+
+
+class MlpBlock(nn.Module):
+    """``[batch, length, n_embd] -> [batch, length, n_embd]``: fc1 (x4), exact GELU, fc2, dropout."""
+
+    resid_pdrop: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        width = x.shape[-1]
+        x = nn.Dense(4 * width, kernel_init=_INIT, name="fc1")(x)
+        x = nn.gelu(x, approximate=False)
+        x = nn.Dense(width, kernel_init=_INIT, name="fc2")(x)
+        return nn.Dropout(self.resid_pdrop)(x, deterministic=deterministic)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    n_head: int
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, *, deterministic: bool = True):
+        y = nn.LayerNorm(epsilon=_LN_EPS, name="ln1")(x)
+        y = MultiHeadAttention(
+            num_heads=self.n_head,
+            dropout_rate=self.attn_pdrop,
+            decode=self.decode,
+            kernel_init=_INIT,
+            name="attn",
+        )(y, is_causal=True, deterministic=deterministic)
+        x = x + nn.Dropout(self.resid_pdrop)(y, deterministic=deterministic)
+        y = nn.LayerNorm(epsilon=_LN_EPS, name="ln2")(x)
+        return x + MlpBlock(self.resid_pdrop, name="mlp")(y, deterministic=deterministic)
+
+
+class GPT(nn.Module):
+    """minGPT: ``indices [batch, length] -> logits [batch, length, vocab_size]``, causal.
+
+    With ``decode=True`` the model keeps a ``cache`` collection (the attention caches and
+    ``position``, the index of the next position embedding); ``init`` with a
+    ``[batch, max_length]`` input allocates it, and each ``apply(..., chunk, mutable=["cache"])``
+    continues the sequence by ``chunk.shape[1]`` tokens.
+    """
+
+    vocab_size: int
+    block_size: int
+    n_layer: int = 12
+    n_head: int = 8
+    n_embd: int = 256
+    embd_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, indices, *, deterministic: bool = True):
+        if indices.ndim != 2:
+            raise ValueError(f"GPT: indices must be [batch, length], got shape {indices.shape}")
+        length = indices.shape[1]
+        if length > self.block_size:
+            raise ValueError(
+                f"GPT: sequence length {length} exceeds block_size={self.block_size} "
+                f"(indices shape {indices.shape})"
+            )
+        tokens = nn.Embed(self.vocab_size, self.n_embd, embedding_init=_INIT, name="tok_emb")(indices)
+        pos_emb = self.param("pos_emb", nn.initializers.zeros, (1, self.block_size, self.n_embd))
+        start = 0
+        if self.decode:
+            allocated = self.has_variable("cache", "position")
+            position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            if allocated:
+                start = position.value
+                position.value = start + length
+        x = tokens + jax.lax.dynamic_slice_in_dim(pos_emb, start, length, axis=1)
+        x = nn.Dropout(self.embd_pdrop)(x, deterministic=deterministic)
+        for i in range(self.n_layer):
+            x = Block(
+                self.n_head, self.attn_pdrop, self.resid_pdrop, self.decode, name=f"blocks_{i}"
+            )(x, deterministic=deterministic)
+        x = nn.LayerNorm(epsilon=_LN_EPS, name="ln_f")(x)
+        return nn.Dense(self.vocab_size, use_bias=False, kernel_init=_INIT, name="head")(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Sequences: prefix tokens and the training objective
+# --------------------------------------------------------------------------------------------
+
+
+def vocab_size(codebook_size: int, num_classes: int, null_class: bool = False) -> int:
+    """Vocabulary of the prior: the codes, one token per class, and the null/start token.
+
+    The null token ``codebook_size + num_classes`` exists when ``null_class`` (class-conditional
+    training that sometimes hides the class, for classifier-free guidance) or when the prior is
+    unconditional (``num_classes == 0``: it is the start token).
+    """
+    return codebook_size + num_classes + int(null_class or num_classes == 0)
+
+
+def null_tokens(codebook_size: int, num_classes: int, batch: int) -> Array:
+    """The null prefix ``[batch, 1]``: the start token of an unconditional prior."""
+    return jnp.full((batch, 1), codebook_size + num_classes, jnp.int32)
+
+
+def prefix_tokens(labels, codebook_size: int, num_classes: int, batch: int | None = None) -> Array:
+    """The prefix column ``[batch, 1]``: ``codebook_size + label``, or the start token.
+
+    Args:
+      labels: class ids ``[batch]`` (class-conditional, ``num_classes > 0``) or None.
+      codebook_size: number of VQGAN codes.
+      num_classes: 0 for an unconditional prior.
+      batch: the batch size when ``labels`` is None.
+    """
+    if num_classes > 0:
+        if labels is None:
+            raise ValueError(f"prefix_tokens: num_classes={num_classes} needs labels, got None")
+        labels = jnp.asarray(labels, jnp.int32)
+        if labels.ndim != 1:
+            raise ValueError(f"prefix_tokens: labels must be [batch], got shape {labels.shape}")
+        return (codebook_size + labels)[:, None]
+    if batch is None:
+        if labels is None:
+            raise ValueError("prefix_tokens: an unconditional prefix needs batch (or labels for its size)")
+        batch = len(labels)
+    return null_tokens(codebook_size, 0, batch)
+
+
+def sequence_logits(model: GPT, params, codes, prefix, *, deterministic=True, rngs=None) -> Array:
+    """Logits for every code: ``codes [batch, n]``, ``prefix [batch, p]`` -> ``[batch, n, vocab]``.
+
+    The model reads ``[prefix, codes[:, :-1]]``; output position ``p - 1 + i`` predicts code ``i``.
+    """
+    inputs = jnp.concatenate([prefix, codes[:, :-1]], axis=1)
+    logits = model.apply({"params": params}, inputs, deterministic=deterministic, rngs=rngs)
+    return logits[:, prefix.shape[1] - 1 :]
+
+
+def cross_entropy(logits, codes) -> Array:
+    """Mean negative log-likelihood in nats per token: ``[batch, n, vocab]``, ``[batch, n]`` -> scalar."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(log_probs, codes[..., None].astype(jnp.int32), axis=-1)
+    return -jnp.mean(picked)
+
+
+def bits_per_token(nll_nats):
+    return nll_nats / math.log(2.0)

@@ -1,0 +1,163 @@
+"""2-D convolution that stays on XLA:CPU's fast kernels when feature maps are smaller than the kernel.
+
+``conv_general_dilated(lhs, rhs, window_strides, padding, ...)`` has the signature of
+``jax.lax.conv_general_dilated`` and is passed to ``flax.linen.Conv(conv_general_dilated=...)``.
+For ``lhs [b, h, w, c_in]`` (NHWC) and ``rhs [kh, kw, c_in, c_out]`` (HWIO), no dilation and
+one feature group, it computes the convolution as patches times a matrix::
+
+    patches[b, i, j, (di, dj, c)] = padded_lhs[b, i * sh + di, j * sw + dj, c]
+    out[b, i, j, :]               = patches[b, i, j, :] @ rhs.reshape(kh * kw * c_in, c_out)
+
+whenever the kernel is larger than the input or the output along a spatial axis (a 3x3 conv on
+2x2 maps, a 4x4 conv whose output is 3x3). There XLA:CPU lowers the convolution, or the one its
+gradient needs (the output's gradient convolved with the kernel), to a generic loop instead of
+its convolution library: measured on a 2-core EPYC, a 3x3 512->512 conv on a [32, 2, 2, 512]
+input takes 183 ms forward and 186 ms for the input gradient, against 7.7 ms forward + backward
+as patches (LPIPS's VGG16 on 32-pixel images, the PatchGAN discriminator's last layers). The
+patches are at most ``kh * kw`` times a feature map that small, and their gradient is slices and
+pads, with no convolution left for XLA to lower.
+
+From 16x16 output maps, on XLA:CPU with fewer devices than cores, the forward pass and the input
+gradient stay on ``lax.conv_general_dilated`` but the kernel gradient is taken as ``kh * kw``
+matrix products (threaded, where XLA's convolutions run on one thread) instead of the
+convolution XLA derives for it::
+
+    d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out   [c_in, c_out]
+
+XLA:CPU's kernel-gradient convolution is its slowest: for a 3x3 64->64 conv on [16, 32, 32, 64]
+it takes 124 ms against 26 ms forward and 36 ms for the input gradient, and 128->128 312 ms;
+as products 51 and 125 ms (``benchmarks/conv_layers.py``, 2-core EPYC). Below 16x16 maps or
+64 x 64 channels XLA's own is as fast or faster (3.5 against 4.3 ms at 8x8 x 128 channels; 25.5
+against 32 ms for 32 -> 32 channels on [64, 16, 16, 32], the digits VQGAN). With one CPU device
+per core (``attnjax.train.parallel.use_cpu_cores``) every core already runs a convolution of its share
+of the batch, and XLA's own kernel gradient is the faster one. Every other case is
+``lax.conv_general_dilated``.
+Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _pads(padding, in_spatial, kernel, strides) -> list[tuple[int, int]]:
+    if isinstance(padding, str):
+        return list(lax.padtype_to_pads(in_spatial, kernel, strides, padding))
+    return [tuple(p) for p in padding]
+
+
+def _is_nhwc(dimension_numbers, lhs, rhs) -> bool:
+    if dimension_numbers is None:
+        return False
+    expected = lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC)
+    return lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == expected
+
+
+def output_spatial(in_spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+                   pads: Sequence[tuple[int, int]]) -> list[int]:
+    """The output's spatial sizes of a convolution without dilation."""
+    return [(n + lo + hi - k) // s + 1 for n, k, s, (lo, hi) in zip(in_spatial, kernel, strides, pads)]
+
+
+def needs_patches(in_spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+                  pads: Sequence[tuple[int, int]]) -> bool:
+    """Whether the kernel is larger than the input or the output along some spatial axis."""
+    out_spatial = output_spatial(in_spatial, kernel, strides, pads)
+    return any(k > min(n, o) for n, o, k in zip(in_spatial, out_spatial, kernel))
+
+
+def conv_as_patches(lhs: Array, rhs: Array, strides: Sequence[int], pads: Sequence[tuple[int, int]],
+                    precision=None) -> Array:
+    """NHWC ``lhs [b, h, w, c_in]`` * HWIO ``rhs [kh, kw, c_in, c_out]`` -> ``[b, h', w', c_out]``
+    as one matrix product over ``kh * kw * c_in`` patch features."""
+    kh, kw, c_in, c_out = rhs.shape
+    (sh, sw), (pad_h, pad_w) = strides, pads
+    padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
+    out_h, out_w = (padded.shape[1] - kh) // sh + 1, (padded.shape[2] - kw) // sw + 1
+    patches = jnp.concatenate([
+        padded[:, di:di + (out_h - 1) * sh + 1:sh, dj:dj + (out_w - 1) * sw + 1:sw, :]
+        for di in range(kh) for dj in range(kw)], axis=-1)
+    return jnp.einsum("bhwk,ko->bhwo", patches, rhs.reshape(kh * kw * c_in, c_out), precision=precision)
+
+
+# Output maps of at least this many positions, with at least this many input x output channels,
+# take the matrix-product kernel gradient.
+PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
+PRODUCT_KERNEL_GRAD_MIN_CHANNELS = 64 * 64
+
+
+def _cores_left_idle() -> bool:
+    """Whether XLA:CPU would leave cores idle during a one-threaded convolution: fewer CPU
+    devices than cores. With one device per core (``attnjax.train.parallel.use_cpu_cores``) the split
+    batch keeps every core busy, and XLA's own kernel gradient is the faster one: the VQGAN
+    autoencoder row of ``benchmarks/compare_torch.py`` takes 1220 ms on two devices with it and
+    1368 ms with the products (on one device: 1720 against 1562 ms)."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return jax.local_device_count() < cores
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def conv_with_product_kernel_grad(lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None) -> Array:
+    """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix products."""
+    return lax.conv_general_dilated(lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision)
+
+
+def _product_kernel_grad_fwd(lhs, rhs, strides, pads, precision):
+    return conv_with_product_kernel_grad(lhs, rhs, strides, pads, precision), (lhs, rhs)
+
+
+def _product_kernel_grad_bwd(strides, pads, precision, residuals, d_out):
+    lhs, rhs = residuals
+    _, input_vjp = jax.vjp(lambda x: lax.conv_general_dilated(x, rhs, strides, pads, dimension_numbers=_NHWC,
+                                                              precision=precision), lhs)
+    (d_lhs,) = input_vjp(d_out)
+    kh, kw = rhs.shape[:2]
+    (sh, sw), (pad_h, pad_w) = strides, pads
+    padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
+    out_h, out_w = d_out.shape[1:3]
+    d_rhs = jnp.stack([
+        jnp.einsum("bhwc,bhwo->co", padded[:, di:di + (out_h - 1) * sh + 1:sh, dj:dj + (out_w - 1) * sw + 1:sw, :],
+                   d_out, precision=precision)
+        for di in range(kh) for dj in range(kw)])
+    return d_lhs, d_rhs.reshape(rhs.shape).astype(rhs.dtype)
+
+
+conv_with_product_kernel_grad.defvjp(_product_kernel_grad_fwd, _product_kernel_grad_bwd)
+
+
+def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], padding, lhs_dilation=None,
+                         rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
+                         batch_group_count: int = 1, precision=None, preferred_element_type=None) -> Array:
+    """``lax.conv_general_dilated``, as patches times a matrix where XLA:CPU's kernels do not apply,
+    with a matrix-product kernel gradient on large maps."""
+    plain = (lhs.ndim == 4 and _is_nhwc(dimension_numbers, lhs, rhs) and feature_group_count == 1
+             and batch_group_count == 1 and preferred_element_type is None
+             and all(d == 1 for d in (lhs_dilation or (1, 1))) and all(d == 1 for d in (rhs_dilation or (1, 1))))
+    if plain:
+        pads = _pads(padding, lhs.shape[1:3], rhs.shape[:2], window_strides)
+        if needs_patches(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
+            return conv_as_patches(lhs, rhs, window_strides, pads, precision)
+        out_h, out_w = output_spatial(lhs.shape[1:3], rhs.shape[:2], window_strides, pads)
+        large = (out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
+                 and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS)
+        if large and min(min(p) for p in pads) >= 0 and _cores_left_idle():
+            return conv_with_product_kernel_grad(lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)),
+                                                 precision)
+    return lax.conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count, precision=precision, preferred_element_type=preferred_element_type)

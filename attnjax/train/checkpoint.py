@@ -1,0 +1,243 @@
+"""Orbax checkpoints of a training run, and loading a trained run for inference.
+
+A workdir holds::
+
+    config.json              the run's config (written once the run is known to be valid)
+    checkpoints/<step>/      latest checkpoints: "state" (the task's train state as a nested
+                             dict: step, params, opt_state, ...; each process writes the shards
+                             it holds) and "data" (each process's train iterator state,
+                             ``process_<i>-of-<n>.json``), the last ``max_to_keep`` kept
+    checkpoints_best/<step>/ optional: the state at the best ``config.best_metric`` so far
+
+Saving is asynchronous (Orbax copies to host, then writes in a background thread);
+``Checkpointer.close()`` waits for the writes. Restarting a run in the same workdir restores
+the latest checkpoint (state, optimiser state, data iterator position, step; per-step RNG keys
+are derived from ``(seed, step)``), so it continues exactly where it stopped. A checkpoint
+restores onto any mesh (its arrays are resharded to the target's layout), e.g. one written by
+8 devices with sharded parameters restores whole on one device for inference.
+"""
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import flax.serialization
+from etils import epath
+import grain
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from attnjax.train import checkpoint_integrity
+
+CONFIG_FILE = "config.json"
+# Config fields that define the model a checkpoint holds; a resumed run must agree on them.
+IDENTITY_FIELDS = ("task", "model_name", "model")
+# Train-state fields holding model variables besides the params, which inference needs too.
+VARIABLE_FIELDS = ("batch_stats", "quantizer_state")
+
+
+def _checkpoint_dir(workdir: str, best: bool = False) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints_best" if best else "checkpoints")
+
+
+def latest_step(workdir: str, best: bool = False) -> int | None:
+    """The newest checkpoint step saved in ``workdir`` (``None`` when there is none).
+
+    Orbax writes a step under a temporary name and renames it when complete, so only finished
+    checkpoints are counted.
+    """
+    directory = _checkpoint_dir(workdir, best)
+    if not os.path.isdir(directory):
+        return None
+    return max(ocp.utils.checkpoint_steps(directory), default=None)
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run in ``workdir`` was started with."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir!r} is not a training workdir.")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def _jsonable(config) -> dict:
+    return json.loads(config.to_json_best_effort())
+
+
+def write_config(workdir: str, config) -> None:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
+        json.dump(_jsonable(config), f, indent=2, sort_keys=True)
+
+
+def check_compatible(workdir: str, config) -> None:
+    """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model."""
+    if latest_step(workdir) is None or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+        return
+    saved, current = _jsonable(read_config(workdir)), _jsonable(config)
+    differ = {k: (saved.get(k), current.get(k)) for k in IDENTITY_FIELDS
+              if saved.get(k) != current.get(k)}
+    if differ:
+        details = "; ".join(f"config.{k}: checkpoint has {a!r}, config has {b!r}"
+                            for k, (a, b) in differ.items())
+        raise ValueError(f"workdir {workdir!r} holds checkpoints of a different model ({details}). "
+                         f"Use a new --workdir, or the original config to resume.")
+
+
+class Checkpointer:
+    """Latest-N (+ optional best) checkpoints of one run. ``config`` fields:
+    ``checkpoint_every``, ``max_to_keep``, ``best_metric`` ("" disables), ``best_mode``."""
+
+    def __init__(self, workdir: str, config):
+        self.workdir = workdir
+        self.manager = ocp.CheckpointManager(
+            _checkpoint_dir(workdir),
+            options=ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, create=True),
+            item_names=("state", "data"))
+        self.best_metric = config.get("best_metric", "")
+        self.best_manager = None
+        if self.best_metric:
+            mode = config.get("best_mode", "max")
+            if mode not in ("max", "min"):
+                raise ValueError(f"config.best_mode={mode!r}; expected 'max' or 'min'.")
+            metric = self.best_metric
+            self.best_manager = ocp.CheckpointManager(
+                _checkpoint_dir(workdir, best=True),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=1, best_fn=lambda m: float(m[metric]), best_mode=mode, create=True,
+                    # Both managers may save the same step; Orbax names its cross-process
+                    # barriers by step, so they need distinct prefixes not to collide.
+                    multiprocessing_options=ocp.options.MultiprocessingOptions(
+                        barrier_sync_key_prefix="best")),
+                item_names=("state",))
+
+    def save(self, step: int, state, data_state: dict) -> None:
+        """``state``: host or global device arrays; ``data_state``: this process's iterator."""
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
+                data=grain.checkpoint.CheckpointSave(_IteratorState(data_state))))
+        except Exception as error:  # an earlier asynchronous write's failure surfaces here
+            checkpoint_integrity.raise_if_disk_full(error, str(self.manager.directory))
+            raise
+
+    def save_best(self, step: int, state, metrics: dict) -> None:
+        if self.best_manager is None:
+            return
+        if self.best_metric not in metrics:
+            raise ValueError(f"config.best_metric={self.best_metric!r} is not among the eval "
+                             f"metrics {sorted(metrics)}.")
+        if not np.isfinite(metrics[self.best_metric]):
+            return  # a NaN would compare as "best" and push out the real best checkpoint
+        try:
+            self.best_manager.save(
+                step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
+                metrics={k: float(v) for k, v in metrics.items()})
+        except Exception as error:  # an earlier asynchronous write's failure surfaces here too
+            checkpoint_integrity.raise_if_disk_full(error, str(self.best_manager.directory))
+            raise
+
+    def restore(self, state, iterator, step: int | None = None):
+        """Restores into the structure and shardings of ``state`` (placed device arrays, or host
+        arrays on one process) -> the restored state; ``iterator`` (this process's train
+        iterator) is set to its saved position."""
+        step = self.manager.latest_step() if step is None else step
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                              flax.serialization.to_state_dict(state))
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            data=grain.checkpoint.CheckpointRestore(iterator)))
+        return flax.serialization.from_state_dict(state, restored["state"])
+
+    def restore_intact(self, state, iterator):
+        """Restores the newest intact checkpoint (see ``checkpoint_integrity``) and sets
+        ``iterator`` to its position -> ``(step, state)``, or ``(None, state)`` when there is none."""
+        steps = list(self.manager.all_steps())
+        if not steps:
+            return None, state
+        return checkpoint_integrity.restore_newest_intact(
+            str(self.manager.directory), steps, lambda step: self.restore(state, iterator, step),
+            on_moved=self.manager.reload)
+
+    def close(self) -> None:
+        """Waits for pending asynchronous writes."""
+        for manager in (self.manager, self.best_manager):
+            if manager is None:
+                continue
+            try:
+                manager.wait_until_finished()
+                manager.close()  # an asynchronous write's failure may surface here instead
+            except Exception as error:
+                checkpoint_integrity.raise_if_disk_full(error, str(manager.directory))
+                raise
+
+
+class _IteratorState:
+    """A saved iterator position in the form grain's checkpoint handler writes (JSON bytes)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state, indent=2).encode()
+
+
+def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: bool = True,
+         variables: bool = False):
+    """Loads a trained run: ``(config, params)``.
+
+    Args:
+      workdir: the run's ``--workdir``.
+      step: which checkpoint (default: the latest, or the best with ``best=True``).
+      best: read ``checkpoints_best/`` (the best ``config.best_metric``) instead of the latest.
+      use_ema: return the EMA parameters when the run kept them (what its eval used).
+      variables: return a dict ``{"params": ...}`` plus each non-empty state field named in
+        ``VARIABLE_FIELDS`` (BatchNorm statistics, a quantizer's codebook state) instead of
+        the params.
+
+    Returns:
+      ``(config, params)`` (or ``(config, variables)``) as host numpy trees; tasks with several
+      models (e.g. VQGAN) keep one params subtree per model, as their train state does.
+    """
+    config = read_config(workdir)
+    directory = _checkpoint_dir(workdir, best=best)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoints under {directory!r}.")
+    # read_only guards the run against accidental writes; Orbax warns about it on every open,
+    # which is noise for a reader, so its logger is quieted for this block only.
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    absl_logger = std_logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(std_logging.ERROR)
+    try:
+        manager = ocp.CheckpointManager(directory, item_names=("state",), options=options)
+    finally:
+        absl_logger.setLevel(level)
+    with manager:
+        if step is None:
+            step = manager.best_step() if best else manager.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoints under {directory!r}.")
+        # Whole arrays on every device, whatever mesh wrote them.
+        whole = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)),
+                                           jax.sharding.PartitionSpec())
+        saved = ocp.StandardCheckpointHandler().metadata(
+            epath.Path(directory) / str(step) / "state").tree
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=whole),
+                              saved)
+        state = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))
+    state = jax.tree.map(np.asarray, state["state"])
+    params = state["params"]
+    if use_ema and state.get("ema_params") is not None:
+        params = state["ema_params"]
+    if not variables:
+        return config, params
+    out = {"params": params}
+    out.update({name: state[name] for name in VARIABLE_FIELDS if state.get(name)})
+    return config, out
+

@@ -1,0 +1,93 @@
+"""What a person sees of a run: metrics.jsonl, TensorBoard events, an eval table, PNG curves."""
+from __future__ import annotations
+
+import json
+import os
+
+from attnjax.data import images
+
+
+class MetricWriter:
+    """Appends one JSON object per event to ``workdir/metrics.jsonl`` and mirrors the scalars
+    to TensorBoard (``workdir/tensorboard``). Only process 0 writes.
+
+    ``resume_step``: the step the run restarts from. Records after it were written by a run
+    that stopped before its next checkpoint and will be written again, so they are dropped
+    from metrics.jsonl, and TensorBoard is told to purge them (its ``purge_step``): each step
+    shows once after any number of restarts."""
+
+    def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            _truncate_after(self.path, resume_step)
+            # Also on a fresh start: a run killed before its first checkpoint left events.
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                     purge_step=resume_step + 1)
+
+    def write(self, step: int, scalars: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in scalars.items():
+            self._tb.add_scalar(key, float(value), int(step))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Drops the records of ``path`` after ``step`` (and a last line cut short by a kill)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        f.writelines(kept)
+    os.replace(temporary, path)
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The events of ``workdir/metrics.jsonl`` in step order, one per step and kind.
+
+    A run resumed from a checkpoint repeats the steps after that checkpoint; for each step the
+    last record of each kind (``train/*`` log, ``eval/*`` results) is kept.
+    """
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    latest: dict = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                kind = tuple(sorted({key.split("/")[0] for key in record if "/" in key}))
+                latest[(record["step"], kind)] = record
+    return sorted(latest.values(), key=lambda record: record["step"])
+
+
+def format_table(step: int, metrics: dict) -> str:
+    """A short two-column table of eval metrics."""
+    width = max(len(k) for k in metrics)
+    lines = [f"eval at step {step}", "-" * (width + 12)]
+    lines += [f"{k:<{width}}  {v:>9.4f}" for k, v in sorted(metrics.items())]
+    return "\n".join(lines)
+
+
+def plot_curves(workdir: str) -> str | None:
+    """``curves.png``: one panel per metric name (train and eval share a panel) vs step."""
+    return images.plot_curves(read_metrics(workdir), os.path.join(workdir, "curves.png"))

@@ -1,0 +1,159 @@
+"""attnjax/tasks/vqgan.py through the shared training loop: a short real run on the digits."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import chex
+from absl import logging
+
+from helpers import assert_close, count_compilations
+from helpers import load_config
+
+from attnjax.train import checkpoint
+from attnjax import data
+from attnjax.models import lpips
+from attnjax.tasks import vqgan as vqgan_task
+from attnjax.tasks import train_and_evaluate
+
+
+
+
+
+
+
+def tiny(data_dir, **overrides):
+    config = load_config("vqgan_digits")
+    config.data.data_dir = data_dir
+    config.data.eval_split = "test[:64]"
+    config.model.ddconfig.update(ch_mult=(1,), num_res_blocks=1)  # f=1: the fewest layers to compile
+    config.update(dict(batch_size=16, eval_batch_size=64, warmup_steps=1, log_every=2, eval_every=4,
+                       checkpoint_every=4, quiet=True), **overrides)
+    return config
+
+
+def test_short_run_with_gan(digits_dir, tmp_path):
+    """The digits config (l2 codes + re-seeding) with the PatchGAN from step 4: both sides of
+    disc_start, the metrics and PNGs a person looks at, and a checkpoint that
+    ``inference_model`` turns back into the evaluated autoencoder."""
+    config = tiny(digits_dir, num_train_steps=8, eval_every=8, checkpoint_every=8)
+    config.loss.update(disc_start=4, disc_weight=0.8)
+    config.discriminator.update(ndf=8, n_layers=1)
+    workdir = str(tmp_path)
+    result = train_and_evaluate(config, workdir)
+
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        train = [r for r in map(json.loads, f) if "train/loss" in r]
+    assert [r["train/disc_factor"] for r in train] == [0.0, 0.0, 1.0, 1.0], "disc_start=4"
+    assert all(r["train/disc_loss"] == 0.0 for r in train[:2]) and train[-1]["train/disc_loss"] > 0
+    assert train[-1]["train/d_weight"] > 0
+    assert train[-1]["train/nll_loss"] < 0.7 * train[0]["train/nll_loss"], "the autoencoder must learn"
+    for key in ("eval/l1", "eval/psnr", "eval/codebook_usage", "eval/perplexity", "eval/g_loss", "eval/disc_loss"):
+        assert np.isfinite(result[key]), key
+    assert 0.5 < result["eval/codebook_usage"] <= 1, "l2 codes + re-seeding keep most codes alive"
+    for name in ("reconstructions.png", "codebook.png"):
+        assert os.path.getsize(os.path.join(workdir, name)) > 0
+
+    loaded_config, variables = checkpoint.load(workdir, variables=True)
+    model, inference_vars = vqgan_task.inference_model(loaded_config, variables)
+    eval_batch = next(iter(data.make_datasets(config).eval))
+    images = np.asarray(eval_batch["image"])
+    rec, _ = model.apply(inference_vars, jnp.asarray(images))
+    error = np.clip(np.asarray(rec) * 0.5 + 0.5, 0, 1) - (images * 0.5 + 0.5)
+    psnr = np.mean(-10 * np.log10(np.mean(error**2, axis=(1, 2, 3))))
+    assert_close(psnr, result["eval/psnr"], rtol=1e-4, what="PSNR of the reloaded autoencoder")
+
+
+def test_lpips_weights_come_from_a_converted_file(tmp_path):
+    """The perceptual term reads the .npz that ``lpips.save_variables`` wrote, array for array."""
+    model = lpips.LPIPS()
+    images = jnp.zeros((1, 16, 16, 3))
+    variables = jax.jit(model.init)(jax.random.PRNGKey(5), images, images)
+    path = lpips.save_variables(variables, tmp_path / "lpips.npz")
+    config = load_config("vqgan_digits")
+    config.model.ddconfig.update(ch_mult=(1,), num_res_blocks=1)
+    config.loss.perceptual_weight = 1.0
+    config.lpips.weights = str(path)
+    task_model = vqgan_task.create_model(config)
+    assert task_model["lpips"] is not None and vqgan_task.perceptual_weight(config) == 1.0
+    batch = {"image": np.zeros((2, 16, 16, 1), np.float32)}
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, task_model, batch)
+    chex.assert_trees_all_close(state.lpips_params, variables, rtol=0, atol=0)
+
+
+def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_dir):
+    """eval/g_loss and eval/disc_loss follow config.loss (vanilla loss, disc_factor 0.5), over the
+    real examples only, with the discriminator in eval mode."""
+    config = tiny(digits_dir)
+    config.loss.update(disc_weight=0.8, disc_loss="vanilla", disc_factor=0.5, disc_start=0)
+    config.discriminator.update(ndf=8, n_layers=1)
+    model = vqgan_task.create_model(config)
+    batch = next(iter(data.make_datasets(config).eval))
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
+    mask = np.r_[np.ones(40), np.zeros(24)].astype(np.float32)
+    sums = jax.jit(lambda s, b: vqgan_task.eval_step(s, b, config=config, model=model))(
+        state, {**batch, "mask": mask})
+
+    autoencoder_vars = {"params": state.params["autoencoder"], "vq_state": state.quantizer_state}
+    real_images = jnp.asarray(batch["image"][:40])
+    rec, _ = model["autoencoder"].apply(autoencoder_vars, real_images)
+    disc_vars = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
+    real = np.asarray(model["discriminator"].apply(disc_vars, real_images), np.float64)
+    fake = np.asarray(model["discriminator"].apply(disc_vars, rec), np.float64)
+    softplus = lambda v: np.logaddexp(0.0, v)
+    expected_d = 0.5 * 0.5 * (np.mean(softplus(-real)) + np.mean(softplus(fake)))
+    assert float(sums["count"]) == 40
+    assert_close(float(sums["disc_loss"]) / 40, expected_d, rtol=1e-5, what="eval/disc_loss")
+    assert_close(float(sums["g_loss"]) / 40, -np.mean(fake), rtol=1e-5, what="eval/g_loss")
+
+
+def test_image_writing_compiles_once(digits_dir, tmp_path):
+    """A second evaluation's PNGs reuse the compiled decoder: no new XLA compilation."""
+    config = tiny(digits_dir)
+    model = vqgan_task.create_model(config)
+    batch = next(iter(data.make_datasets(config).eval))
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
+    write = lambda s, step: vqgan_task.write_images(s, batch, config=config, model=model,
+                                                    workdir=str(tmp_path), step=step)
+    write(state, 1)
+    changed = state.replace(params=jax.tree.map(lambda x: x * 1.01, state.params))
+    with count_compilations() as compiled:
+        write(changed, 2)
+    assert compiled == [], f"the second write_images compiled again: {compiled}"
+
+
+def test_perceptual_weight_without_weights_is_zero_and_logged(monkeypatch):
+    config = load_config("vqgan_digits")
+    config.loss.perceptual_weight = 1.0
+    warnings = []
+    monkeypatch.setattr(logging, "warning", lambda msg, *args: warnings.append(msg % args))
+    model = vqgan_task.create_model(config)
+    assert model["lpips"] is None and vqgan_task.perceptual_weight(config) == 0.0
+    assert any("WITHOUT the perceptual" in w for w in warnings)
+
+
+def test_bad_config_raises():
+    config = load_config("vqgan_digits")
+    config.model.quantizer.usage_decay = 0.0
+    with pytest.raises(ValueError, match="usage_decay"):
+        vqgan_task.create_model(config)
+    config = load_config("vqgan_digits")
+    config.model.ddconfig.ch = 16
+    model = vqgan_task.create_model(config)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        model["autoencoder"].init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 1)))
+
+
+@pytest.mark.parametrize("name", ["vqgan_digits", "vqgan_cifar10", "vqgan_imagenet_f16"])
+def test_configs_build(name):
+    config = load_config(name)
+    model = vqgan_task.create_model(config)
+    size = config.data.image_size or 32
+    channels = config.model.ddconfig.in_channels
+    shapes = jax.eval_shape(lambda x: model["autoencoder"].init(jax.random.PRNGKey(0), x),
+                            jax.ShapeDtypeStruct((1, size, size, channels), jnp.float32))
+    factor = 2 ** (len(config.model.ddconfig.ch_mult) - 1)
+    assert shapes["params"]["quantize"]["embedding"].shape == (config.model.n_embed, config.model.embed_dim)
+    assert size // factor in (4, 8, 16)

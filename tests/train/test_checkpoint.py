@@ -1,0 +1,120 @@
+"""attnjax/checkpoint.py: Orbax save/restore, best-by-metric, load() for downstream users."""
+import os
+from typing import Any
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from attnjax.train import checkpoint
+from attnjax import data
+
+
+@flax.struct.dataclass
+class State:  # the shape of a task state with BatchNorm statistics and EMA (e.g. a VQGAN)
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    batch_stats: Any
+    ema_params: Any = None
+
+
+def make_config(**overrides):
+    config = ml_collections.ConfigDict(dict(
+        task="classification", model_name="vit", model=dict(width=8, depth=1),
+        max_to_keep=2, best_metric="", best_mode="max"))
+    config.update(overrides)
+    return config
+
+
+def make_state(seed, ema=False):
+    rng = np.random.default_rng(seed)
+    params = {"dense": {"kernel": rng.normal(size=(3, 4)).astype(np.float32),
+                        "bias": rng.normal(size=(4,)).astype(np.float32)}}
+    return State(step=jnp.asarray(seed, jnp.int32), params=params,
+                 opt_state=({"mu": jax.tree.map(np.zeros_like, params)}, jnp.asarray(7)),
+                 batch_stats={"bn": {"mean": rng.normal(size=(4,)).astype(np.float32)}},
+                 ema_params=jax.tree.map(lambda x: x * 0.5, params) if ema else None)
+
+
+def assert_trees_equal(a, b):
+    chex.assert_trees_all_equal(a, b)
+
+
+def test_save_restore_roundtrip_and_max_to_keep(tmp_path):
+    workdir = str(tmp_path)
+    config = make_config()
+    ckpt = checkpoint.Checkpointer(workdir, config)
+    for step in (1, 2, 3):
+        ckpt.save(step, make_state(step), {"next_index": 10 * step})
+    ckpt.close()
+
+    assert checkpoint.latest_step(workdir) == 3
+    ckpt = checkpoint.Checkpointer(workdir, config)
+    assert ckpt.manager.all_steps() == [2, 3]
+    iterator = data.make_iterator(data.grain.MapDataset.range(100))
+    restored = ckpt.restore(make_state(0), iterator)
+    ckpt.close()
+    assert_trees_equal(restored, make_state(3))
+    assert next(iterator) == 30 and iterator.get_state() == {"next_index": 31}
+
+
+def test_best_checkpoint_and_load(tmp_path):
+    workdir = str(tmp_path)
+    config = make_config(best_metric="eval/accuracy")
+    checkpoint.write_config(workdir, config)
+    ckpt = checkpoint.Checkpointer(workdir, config)
+    for step, accuracy in ((1, 0.5), (2, 0.9), (3, 0.7)):
+        state = make_state(step, ema=True)
+        ckpt.save(step, state, {"next_index": step})
+        ckpt.save_best(step, state, {"eval/accuracy": accuracy, "eval/loss": 1.0 - accuracy})
+    with pytest.raises(ValueError, match="config.best_metric='eval/accuracy'"):
+        ckpt.save_best(4, make_state(4), {"eval/loss": 0.1})
+    ckpt.close()
+
+    loaded_config, params = checkpoint.load(workdir)
+    assert loaded_config.model.to_dict() == config.model.to_dict()
+    assert_trees_equal(params, make_state(3, ema=True).ema_params)  # EMA by default
+    _, raw = checkpoint.load(workdir, use_ema=False)
+    assert_trees_equal(raw, make_state(3).params)
+    _, best = checkpoint.load(workdir, best=True, use_ema=False)
+    assert_trees_equal(best, make_state(2).params)
+    _, variables = checkpoint.load(workdir, step=2, use_ema=False, variables=True)
+    assert sorted(variables) == ["batch_stats", "params"]
+    assert_trees_equal(variables["batch_stats"], make_state(2).batch_stats)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a training workdir"):
+        checkpoint.load(str(tmp_path))
+
+
+def test_check_compatible_names_the_differing_field(tmp_path):
+    workdir = str(tmp_path)
+    config = make_config()
+    checkpoint.write_config(workdir, config)
+    checkpoint.check_compatible(workdir, make_config(model=dict(width=16, depth=1)))  # no ckpt yet
+    ckpt = checkpoint.Checkpointer(workdir, config)
+    ckpt.save(1, make_state(1), {"next_index": 1})
+    ckpt.close()
+    checkpoint.check_compatible(workdir, make_config(max_to_keep=5))  # same model: fine
+    with pytest.raises(ValueError, match=r"config.model: checkpoint has .*'width': 8"):
+        checkpoint.check_compatible(workdir, make_config(model=dict(width=16, depth=1)))
+    with pytest.raises(ValueError, match="config.task"):
+        checkpoint.check_compatible(workdir, make_config(task="vqgan"))
+
+
+def test_latest_step_ignores_unfinished_and_missing(tmp_path):
+    workdir = str(tmp_path)
+    assert checkpoint.latest_step(workdir) is None
+    ckpt = checkpoint.Checkpointer(workdir, make_config())
+    ckpt.save(4, make_state(4), {"next_index": 0})
+    ckpt.close()
+    # A step Orbax had not finished writing when the process died: a temporary name, not counted.
+    os.makedirs(os.path.join(workdir, "checkpoints", "9.orbax-checkpoint-tmp-123"))
+    assert checkpoint.latest_step(workdir) == 4
+    assert checkpoint.latest_step(workdir, best=True) is None
