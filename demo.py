@@ -22,6 +22,7 @@ interrupted stage resumes from its last checkpoint.
 
     .venv/bin/python demo.py [--workdir runs/demo] [--samples_per_class 50] [--completions 100]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from attnjax.train import checkpoint, parallel
-from attnjax.inference import generate
 from attnjax.data.images import save_image_grid
+from attnjax.inference import generate
 from attnjax.tasks import classification as classification_task
 from attnjax.tasks import prior as prior_task
-from attnjax.train import report
 from attnjax.tasks import train_and_evaluate
+from attnjax.train import checkpoint, parallel, report
 
 ROOT = pathlib.Path(__file__).resolve().parent
-STAGES = (("vit", "configs/vit_digits.py"), ("vqgan", "configs/vqgan_digits.py"),
-          ("prior", "configs/prior_digits.py"))
+STAGES = (
+    ("vit", "configs/vit_digits.py"),
+    ("vqgan", "configs/vqgan_digits.py"),
+    ("prior", "configs/prior_digits.py"),
+)
 
 
 def load_config(path):
@@ -75,36 +78,54 @@ def run_stage(name: str, config, workdir: str, previous: dict) -> dict:
         logging.info("stage %s: reusing %s (step %d)", name, workdir, done)
         print(f"[{name}] finished run found in {workdir} (step {done}): reused, not retrained")
         seconds = previous.get("stages", {}).get(name, {}).get("train_seconds")
-        return {"workdir": workdir, "reused": True, "train_seconds": seconds,
-                "metrics": last_eval(workdir)}
+        return {
+            "workdir": workdir,
+            "reused": True,
+            "train_seconds": seconds,
+            "metrics": last_eval(workdir),
+        }
     print(f"[{name}] training in {workdir}" + (f" (resuming from step {done})" if done else ""))
     start = time.perf_counter()
     metrics = train_and_evaluate(config, workdir)
-    return {"workdir": workdir, "reused": False, "train_seconds": time.perf_counter() - start,
-            "metrics": {**last_eval(workdir), **metrics}}
+    return {
+        "workdir": workdir,
+        "reused": False,
+        "train_seconds": time.perf_counter() - start,
+        "metrics": {**last_eval(workdir), **metrics},
+    }
 
 
 def vit_inputs(images, vqgan_data, vit_data):
     """VQGAN-space images -> the ViT's normalisation (pixels clipped to [0, 1] on the way)."""
-    pixels = np.clip(np.asarray(images) * np.asarray(vqgan_data.std) + np.asarray(vqgan_data.mean),
-                     0.0, 1.0)
+    pixels = np.clip(
+        np.asarray(images) * np.asarray(vqgan_data.std) + np.asarray(vqgan_data.mean), 0.0, 1.0
+    )
     return (pixels - np.asarray(vit_data.mean, np.float32)) / np.asarray(vit_data.std, np.float32)
 
 
 def classify(predict, images, batch_size=256):
-    return np.concatenate([np.argmax(np.asarray(predict(jnp.asarray(images[i:i + batch_size]))), -1)
-                           for i in range(0, len(images), batch_size)])
+    return np.concatenate(
+        [
+            np.argmax(np.asarray(predict(jnp.asarray(images[i : i + batch_size]))), -1)
+            for i in range(0, len(images), batch_size)
+        ]
+    )
 
 
 def reconstruction_accuracy(vqgan, vit_config, predict) -> float:
     """ViT accuracy on VQGAN reconstructions of the held-out digits."""
     images, labels = prior_task.load_images(vqgan.config.data, vqgan.config.data.eval_split, 0)
     model = vqgan.model
-    reconstruct = jax.jit(lambda x: model.apply(
-        vqgan.variables, model.apply(vqgan.variables, x, method=type(model).encode)[1],
-        method=type(model).decode_indices))
-    reconstructions = np.concatenate([np.asarray(reconstruct(images[i:i + 120]))
-                                      for i in range(0, len(images), 120)])
+    reconstruct = jax.jit(
+        lambda x: model.apply(
+            vqgan.variables,
+            model.apply(vqgan.variables, x, method=type(model).encode)[1],
+            method=type(model).decode_indices,
+        )
+    )
+    reconstructions = np.concatenate(
+        [np.asarray(reconstruct(images[i : i + 120])) for i in range(0, len(images), 120)]
+    )
     predicted = classify(predict, vit_inputs(reconstructions, vqgan.config.data, vit_config.data))
     return float(np.mean(predicted == labels))
 
@@ -113,15 +134,18 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
     """Class-conditional samples, decoded and classified: fraction classified as their class."""
     _, params = checkpoint.load(prior_workdir)
     model = prior_task.create_model(prior_config)
-    labels, images = prior_task.sample_grid(params, prior_config, model,
-                                            jax.random.key(prior_config.seed + 1), per_class=per_class)
+    labels, images = prior_task.sample_grid(
+        params, prior_config, model, jax.random.key(prior_config.seed + 1), per_class=per_class
+    )
     shown = np.concatenate([images[labels == c][:10] for c in range(prior_config.num_classes)])
     save_image_grid(shown, path, nrow=10, scale=4)
-    vit_images = (np.clip(images, 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)) / \
-        np.asarray(vit_config.data.std, np.float32)
+    vit_images = (
+        np.clip(images, 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)
+    ) / np.asarray(vit_config.data.std, np.float32)
     predicted = classify(predict, vit_images)
-    per_class_accuracy = [float(np.mean(predicted[labels == c] == c))
-                          for c in range(prior_config.num_classes)]
+    per_class_accuracy = [
+        float(np.mean(predicted[labels == c] == c)) for c in range(prior_config.num_classes)
+    ]
     return float(np.mean(predicted == labels)), per_class_accuracy
 
 
@@ -130,12 +154,16 @@ def complete_and_classify(prior_workdir, vit_config, predict, number, path, show
     the fraction the ViT classifies as the original's class; the first ``shown`` go to ``path``."""
     run = generate.load_prior(prior_workdir)
     rows = run.vqgan.grid_shape[0] // 2
-    result = generate.complete_test_images(run, number, rows, jax.random.key(run.config.seed + 2),
-                                         **generate.sampling_settings(run))
-    pictures = np.concatenate([result[name][:shown] for name in ("originals", "kept", "completions")])
+    result = generate.complete_test_images(
+        run, number, rows, jax.random.key(run.config.seed + 2), **generate.sampling_settings(run)
+    )
+    pictures = np.concatenate(
+        [result[name][:shown] for name in ("originals", "kept", "completions")]
+    )
     save_image_grid(pictures, path, nrow=min(shown, number), scale=4)
-    vit_images = (np.clip(result["completions"], 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)) / \
-        np.asarray(vit_config.data.std, np.float32)
+    vit_images = (
+        np.clip(result["completions"], 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)
+    ) / np.asarray(vit_config.data.std, np.float32)
     return float(np.mean(classify(predict, vit_images) == result["labels"]))
 
 
@@ -144,8 +172,14 @@ def sliding_window_sample(prior_workdir, path, label=0):
     run = generate.load_prior(prior_workdir)
     height, width = run.vqgan.grid_shape
     labels = np.array([label], np.int32) if run.config.num_classes else None
-    codes = generate.sample_codes(run, labels, jax.random.key(run.config.seed + 3), number=1,
-                                grid_shape=(height, 2 * width), **generate.sampling_settings(run))
+    codes = generate.sample_codes(
+        run,
+        labels,
+        jax.random.key(run.config.seed + 3),
+        number=1,
+        grid_shape=(height, 2 * width),
+        **generate.sampling_settings(run),
+    )
     save_image_grid(generate.decode(run, codes), path, nrow=1, scale=4)
     return tuple(codes.shape[1:])
 
@@ -155,19 +189,32 @@ def format_summary(summary: dict) -> str:
         ("ViT test accuracy", f"{summary['vit_test_accuracy']:.4f}"),
         ("VQGAN PSNR (dB, held-out)", f"{summary['vqgan_psnr']:.2f}"),
         ("VQGAN codebook usage", f"{summary['vqgan_codebook_usage']:.3f}"),
-        ("ViT accuracy on VQGAN reconstructions", f"{summary['vit_accuracy_on_reconstructions']:.4f}"),
+        (
+            "ViT accuracy on VQGAN reconstructions",
+            f"{summary['vit_accuracy_on_reconstructions']:.4f}",
+        ),
         ("prior bits per token (held-out)", f"{summary['prior_bits_per_token']:.3f}"),
-        (f"samples classified as their class (n={summary['num_samples']})",
-         f"{summary['sample_class_accuracy']:.4f}"),
-        (f"completions classified as the original's class (n={summary['num_completions']})",
-         f"{summary['completion_class_accuracy']:.4f}"),
+        (
+            f"samples classified as their class (n={summary['num_samples']})",
+            f"{summary['sample_class_accuracy']:.4f}",
+        ),
+        (
+            f"completions classified as the original's class (n={summary['num_completions']})",
+            f"{summary['completion_class_accuracy']:.4f}",
+        ),
     ]
     for name, stage in summary["stages"].items():
         seconds = stage["train_seconds"]
         text = "n/a" if seconds is None else f"{seconds:.1f}"
-        rows.append((f"wall time: {name}" + (" (reused; from its run)" if stage["reused"] else ""),
-                     text + " s"))
-    rows.append(("wall time: sampling, completion + classification", f"{summary['eval_seconds']:.1f} s"))
+        rows.append(
+            (
+                f"wall time: {name}" + (" (reused; from its run)" if stage["reused"] else ""),
+                text + " s",
+            )
+        )
+    rows.append(
+        ("wall time: sampling, completion + classification", f"{summary['eval_seconds']:.1f} s")
+    )
     rows.append(("wall time: this demo run", f"{summary['total_seconds']:.1f} s"))
     width = max(len(name) for name, _ in rows)
     lines = ["", "attnjax demo: ViT + VQGAN + transformer prior on digits", "-" * (width + 14)]
@@ -180,8 +227,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--samples_per_class", type=int, default=50)
-    parser.add_argument("--completions", type=int, default=100,
-                        help="held-out digits completed from the top half of their codes")
+    parser.add_argument(
+        "--completions",
+        type=int,
+        default=100,
+        help="held-out digits completed from the top half of their codes",
+    )
     args = parser.parse_args(argv)
     if args.samples_per_class < 1:
         raise ValueError(f"--samples_per_class must be >= 1, got {args.samples_per_class}")
@@ -190,7 +241,9 @@ def main(argv=None):
     total_start = time.perf_counter()
     os.makedirs(args.workdir, exist_ok=True)
     summary_path = os.path.join(args.workdir, "summary.json")
-    previous = json.loads(pathlib.Path(summary_path).read_text()) if os.path.exists(summary_path) else {}
+    previous = (
+        json.loads(pathlib.Path(summary_path).read_text()) if os.path.exists(summary_path) else {}
+    )
 
     configs = {name: load_config(path) for name, path in STAGES}
     parallel.use_cpu_cores(*configs.values())
@@ -204,11 +257,17 @@ def main(argv=None):
     recon_accuracy = reconstruction_accuracy(vqgan, configs["vit"], predict)
     samples_path = os.path.join(args.workdir, "samples.png")
     sample_accuracy, per_class = sample_and_classify(
-        configs["prior"], workdirs["prior"], configs["vit"], predict, args.samples_per_class,
-        samples_path)
+        configs["prior"],
+        workdirs["prior"],
+        configs["vit"],
+        predict,
+        args.samples_per_class,
+        samples_path,
+    )
     completions_path = os.path.join(args.workdir, "completions.png")
-    completion_accuracy = complete_and_classify(workdirs["prior"], configs["vit"], predict,
-                                                args.completions, completions_path)
+    completion_accuracy = complete_and_classify(
+        workdirs["prior"], configs["vit"], predict, args.completions, completions_path
+    )
     window_path = os.path.join(args.workdir, "sliding_window.png")
     window_grid = sliding_window_sample(workdirs["prior"], window_path)
     summary = {
@@ -227,8 +286,10 @@ def main(argv=None):
         "completions_png": completions_path,
         "sliding_window_grid": list(window_grid),
         "sliding_window_png": window_path,
-        "stages": {name: {k: v for k, v in stage.items() if k != "metrics"}
-                   for name, stage in stages.items()},
+        "stages": {
+            name: {k: v for k, v in stage.items() if k != "metrics"}
+            for name, stage in stages.items()
+        },
         "eval_seconds": time.perf_counter() - eval_start,
         "total_seconds": time.perf_counter() - total_start,
         "device": jax.devices()[0].device_kind,
@@ -237,9 +298,11 @@ def main(argv=None):
     }
     pathlib.Path(summary_path).write_text(json.dumps(summary, indent=2))
     print(format_summary(summary))
-    print(f"samples: {samples_path}   completions: {completions_path}   "
-          f"sliding window ({window_grid[0]}x{window_grid[1]} codes): {window_path}   "
-          f"summary: {summary_path}")
+    print(
+        f"samples: {samples_path}   completions: {completions_path}   "
+        f"sliding window ({window_grid[0]}x{window_grid[1]} codes): {window_path}   "
+        f"summary: {summary_path}"
+    )
     return summary
 
 

@@ -10,16 +10,18 @@ Exit status: 0 done; 1 failed, with one line on stderr naming the problem (``--v
 adds the traceback); 75 (``EX_TEMPFAIL``) stopped by SIGTERM/SIGINT after saving the current
 step: requeue, rerunning the same command continues (``attnjax/preemption.py``).
 """
+
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from attnjax.train import parallel, preemption
 from attnjax.tasks import train_and_evaluate
+from attnjax.train import parallel, preemption
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/vit_digits.py",
-                                          "Training config file (configs/*.py[:arg]).")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/vit_digits.py", "Training config file (configs/*.py[:arg])."
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and plots.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On failure, print the traceback too.")
 
@@ -45,11 +47,13 @@ def main(argv):
     except Exception as error:
         if _VERBOSE.value:
             raise
-        print(f"train.py: error: {_one_line(error)} (--verbose shows the traceback)",
-              file=sys.stderr)
+        print(
+            f"train.py: error: {_one_line(error)} (--verbose shows the traceback)", file=sys.stderr
+        )
         sys.exit(1)
-    summary = ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                        for k, v in sorted(metrics.items()))
+    summary = ", ".join(
+        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
+    )
     logging.info("final: %s", summary)
     print(f"final: {summary}")
 

@@ -11,6 +11,7 @@ process's resident-set growth during the row (``getrusage``; torch's allocations
 Prints a table and writes ``benchmarks/results/compare_torch_<platform>.json`` with the machine
 (CPU model, cores, jax/torch versions). ``--quick`` shrinks repeats and the largest rows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,19 +29,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 import torch
-
-from attnjax.ops import attention
-from attnjax.models import lpips, sampling, vit
-from attnjax.train import parallel
-from attnjax.convert.common import make_torchvision_importable
-from attnjax.convert.lpips import lpips_from_torch
-from attnjax.convert.taming import gpt_from_taming, nlayer_discriminator_from_taming, vqgan_from_taming
-from attnjax.convert.timm import vit_from_timm
-from attnjax.convert.torch_nn import mha_from_torch
 from timing import median_seconds
 
+from attnjax.convert.common import make_torchvision_importable
+from attnjax.convert.lpips import lpips_from_torch
+from attnjax.convert.taming import (
+    gpt_from_taming,
+    nlayer_discriminator_from_taming,
+    vqgan_from_taming,
+)
+from attnjax.convert.timm import vit_from_timm
+from attnjax.convert.torch_nn import mha_from_torch
+from attnjax.models import lpips, sampling, vit
+from attnjax.ops import attention
+from attnjax.train import parallel
 
 make_torchvision_importable()  # timm and lpips import torchvision
 DEVICE = "cpu"  # torch's device; main() makes it "cuda" when JAX runs on a GPU too
@@ -68,12 +71,18 @@ class Jax:
     def __init__(self, fn, state, *inputs, donate: bool = False, split=None):
         split = (0,) * len(inputs) if split is None else tuple(split)
         devices = jax.devices()
-        sizes = [np.shape(leaf)[s] for x, s in zip(inputs, split) if s is not None
-                 for leaf in jax.tree.leaves(x)]
+        sizes = [
+            np.shape(leaf)[s]
+            for x, s in zip(inputs, split)
+            if s is not None
+            for leaf in jax.tree.leaves(x)
+        ]
         if len(devices) > 1 and sizes and all(n % len(devices) == 0 for n in sizes):
             mesh = jax.sharding.Mesh(np.array(devices), ("data",))
             P = jax.sharding.PartitionSpec
-            place = lambda s: jax.sharding.NamedSharding(mesh, P() if s is None else P(*[None] * s, "data"))
+            place = lambda s: jax.sharding.NamedSharding(
+                mesh, P() if s is None else P(*[None] * s, "data")
+            )
             state = jax.device_put(state, place(None))
             inputs = tuple(jax.device_put(x, place(s)) for x, s in zip(inputs, split))
             self.devices = len(devices)
@@ -145,8 +154,10 @@ def sdpa(length):
     q, k, v = (rng.standard_normal((1, 8, length, 64), dtype=np.float32) for _ in range(3))
 
     def grads(_, q, k, v):
-        return jax.grad(lambda *a: jnp.sum(attention.scaled_dot_product_attention(*a, is_causal=True)),
-                        (0, 1, 2))(q, k, v)
+        return jax.grad(
+            lambda *a: jnp.sum(attention.scaled_dot_product_attention(*a, is_causal=True)),
+            (0, 1, 2),
+        )(q, k, v)
 
     leaves = [_to_torch(x).requires_grad_(True) for x in (q, k, v)]
 
@@ -156,7 +167,11 @@ def sdpa(length):
         torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
         _sync()
 
-    return f"SDPA fwd+bwd causal 1x8x{length}x64", Jax(grads, (), q, k, v, split=(1, 1, 1)), torch_step
+    return (
+        f"SDPA fwd+bwd causal 1x8x{length}x64",
+        Jax(grads, (), q, k, v, split=(1, 1, 1)),
+        torch_step,
+    )
 
 
 def mha():
@@ -174,8 +189,11 @@ def mha():
         return (reference(tx, tx, tx, need_weights=False)[0] ** 2).sum()
 
     step, state = _jax_train_step(loss, variables["params"])
-    return ("MHA train step 16x256 tokens, 256 wide, 8 heads", Jax(step, state, x, donate=True),
-            _torch_train_step(reference, torch_loss))
+    return (
+        "MHA train step 16x256 tokens, 256 wide, 8 heads",
+        Jax(step, state, x, donate=True),
+        _torch_train_step(reference, torch_loss),
+    )
 
 
 def _timm_vit(config, image_size, num_classes):
@@ -183,8 +201,12 @@ def _timm_vit(config, image_size, num_classes):
 
     torch.manual_seed(0)
     return VisionTransformer(
-        img_size=image_size, patch_size=config["patch_size"], embed_dim=config["width"],
-        depth=config["depth"], num_heads=config["num_heads"], mlp_ratio=config["mlp_dim"] / config["width"],
+        img_size=image_size,
+        patch_size=config["patch_size"],
+        embed_dim=config["width"],
+        depth=config["depth"],
+        num_heads=config["num_heads"],
+        mlp_ratio=config["mlp_dim"] / config["width"],
         num_classes=num_classes,
         norm_layer=functools.partial(torch.nn.LayerNorm, eps=config.get("layer_norm_eps", 1e-6)),
     )
@@ -201,22 +223,42 @@ def vit_row(variant, image_size, batch, train, num_classes):
     timages, tlabels = _nchw(images), _to_torch(labels)
     name = f"ViT {variant} {image_size}px {'train step (AdamW)' if train else 'inference'}, batch {batch}"
     if not train:
+
         def forward(params, images):
             return model.apply({"params": params}, images)
 
-        return name, Jax(forward, variables["params"], images), _inference(lambda: reference(timages))
+        return (
+            name,
+            Jax(forward, variables["params"], images),
+            _inference(lambda: reference(timages)),
+        )
 
     def loss(params, images, labels):
         logits = model.apply({"params": params}, images)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     step, state = _jax_train_step(loss, variables["params"])
-    return (name, Jax(step, state, images, labels, donate=True),
-            _torch_train_step(reference, lambda: torch.nn.functional.cross_entropy(reference(timages), tlabels)))
+    return (
+        name,
+        Jax(step, state, images, labels, donate=True),
+        _torch_train_step(
+            reference, lambda: torch.nn.functional.cross_entropy(reference(timages), tlabels)
+        ),
+    )
 
 
-DDCONFIG = dict(ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), in_channels=3, out_ch=3,
-                resolution=32, z_channels=64, double_z=False, dropout=0.0)
+DDCONFIG = dict(
+    ch=64,
+    ch_mult=(1, 2, 2),
+    num_res_blocks=2,
+    attn_resolutions=(8,),
+    in_channels=3,
+    out_ch=3,
+    resolution=32,
+    z_channels=64,
+    double_z=False,
+    dropout=0.0,
+)
 
 
 def vqgan_autoencoder(batch):
@@ -224,9 +266,15 @@ def vqgan_autoencoder(batch):
     from taming.modules.vqvae.quantize import VectorQuantizer
 
     torch.manual_seed(0)
-    reference = torch.nn.ModuleDict(dict(
-        encoder=Encoder(**DDCONFIG), decoder=Decoder(**DDCONFIG), quantize=VectorQuantizer(512, 64, beta=0.25),
-        quant_conv=torch.nn.Conv2d(64, 64, 1), post_quant_conv=torch.nn.Conv2d(64, 64, 1)))
+    reference = torch.nn.ModuleDict(
+        dict(
+            encoder=Encoder(**DDCONFIG),
+            decoder=Decoder(**DDCONFIG),
+            quantize=VectorQuantizer(512, 64, beta=0.25),
+            quant_conv=torch.nn.Conv2d(64, 64, 1),
+            post_quant_conv=torch.nn.Conv2d(64, 64, 1),
+        )
+    )
     model, variables = vqgan_from_taming(reference.state_dict(), DDCONFIG, 512, 64)
     reference.to(DEVICE)
     images = np.random.default_rng(0).uniform(-1, 1, (batch, 32, 32, 3)).astype(np.float32)
@@ -241,27 +289,33 @@ def vqgan_autoencoder(batch):
     vq_state = variables.get("vq_state", {})
 
     def loss(params, images):
-        (rec, aux), _ = model.apply({"params": params, "vq_state": vq_state}, images, train=True,
-                                    mutable=["vq_state"])
+        (rec, aux), _ = model.apply(
+            {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
+        )
         return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
 
     step, state = _jax_train_step(loss, variables["params"])
-    return (f"VQGAN autoencoder train step 32px ch64 batch {batch}", Jax(step, state, images, donate=True),
-            _torch_train_step(reference, torch_loss))
+    return (
+        f"VQGAN autoencoder train step 32px ch64 batch {batch}",
+        Jax(step, state, images, donate=True),
+        _torch_train_step(reference, torch_loss),
+    )
 
 
 def _patch_taming_lpips():
     """taming's LPIPS builds a random VGG16 trunk (no download) and loads the linear layers the
     ``lpips`` package ships (the file taming would fetch)."""
     import lpips as lpips_package
+    import taming.modules.losses.lpips as taming_lpips
     import torchvision
 
-    import taming.modules.losses.lpips as taming_lpips
-
     shipped = os.path.join(os.path.dirname(lpips_package.__file__), "weights", "v0.1", "vgg.pth")
-    taming_lpips.models = types.SimpleNamespace(vgg16=lambda pretrained: torchvision.models.vgg16(weights=None))
+    taming_lpips.models = types.SimpleNamespace(
+        vgg16=lambda pretrained: torchvision.models.vgg16(weights=None)
+    )
     taming_lpips.LPIPS.load_from_pretrained = lambda self, name="vgg_lpips": self.load_state_dict(
-        torch.load(shipped, map_location="cpu", weights_only=True), strict=False)
+        torch.load(shipped, map_location="cpu", weights_only=True), strict=False
+    )
 
 
 def vqgan_gan_step(batch, directory):
@@ -279,25 +333,56 @@ def vqgan_gan_step(batch, directory):
 
     _patch_taming_lpips()
     torch.manual_seed(0)
-    autoencoder = torch.nn.ModuleDict(dict(
-        encoder=Encoder(**DDCONFIG), decoder=Decoder(**DDCONFIG), quantize=VectorQuantizer(512, 64, beta=0.25),
-        quant_conv=torch.nn.Conv2d(64, 64, 1), post_quant_conv=torch.nn.Conv2d(64, 64, 1)))
-    loss = VQLPIPSWithDiscriminator(disc_start=0, disc_weight=0.8, disc_in_channels=3, disc_num_layers=3,
-                                    disc_ndf=64)
+    autoencoder = torch.nn.ModuleDict(
+        dict(
+            encoder=Encoder(**DDCONFIG),
+            decoder=Decoder(**DDCONFIG),
+            quantize=VectorQuantizer(512, 64, beta=0.25),
+            quant_conv=torch.nn.Conv2d(64, 64, 1),
+            post_quant_conv=torch.nn.Conv2d(64, 64, 1),
+        )
+    )
+    loss = VQLPIPSWithDiscriminator(
+        disc_start=0, disc_weight=0.8, disc_in_channels=3, disc_num_layers=3, disc_ndf=64
+    )
     _, ae_variables = vqgan_from_taming(autoencoder.state_dict(), DDCONFIG, 512, 64)
     _, disc_variables = nlayer_discriminator_from_taming(loss.discriminator.state_dict())
     _, lpips_variables = lpips_from_torch(loss.perceptual_loss.state_dict())
-    lpips_path = lpips.save_variables(lpips_variables, os.path.join(directory, "lpips_random_vgg.npz"))
+    lpips_path = lpips.save_variables(
+        lpips_variables, os.path.join(directory, "lpips_random_vgg.npz")
+    )
     autoencoder.to(DEVICE), loss.to(DEVICE)
 
-    config = ml_collections.ConfigDict(dict(
-        seed=0, model=dict(ddconfig=DDCONFIG, n_embed=512, embed_dim=64, beta=0.25, quantizer=dict(legacy=True)),
-        loss=dict(disc_start=0, disc_weight=0.8, disc_factor=1.0, disc_loss="hinge", codebook_weight=1.0,
-                  perceptual_weight=1.0),
-        discriminator=dict(ndf=64, n_layers=3, norm="batch"), lpips=dict(weights=lpips_path),
-        optimizer="adamw", learning_rate=LEARNING_RATE, disc_learning_rate=LEARNING_RATE, warmup_steps=0,
-        min_lr_ratio=1.0, weight_decay=0.0, b1=0.5, b2=0.9, grad_clip_norm=0.0, grad_accum_steps=1,
-        num_train_steps=1000, reseed_threshold=0.0))
+    config = ml_collections.ConfigDict(
+        dict(
+            seed=0,
+            model=dict(
+                ddconfig=DDCONFIG, n_embed=512, embed_dim=64, beta=0.25, quantizer=dict(legacy=True)
+            ),
+            loss=dict(
+                disc_start=0,
+                disc_weight=0.8,
+                disc_factor=1.0,
+                disc_loss="hinge",
+                codebook_weight=1.0,
+                perceptual_weight=1.0,
+            ),
+            discriminator=dict(ndf=64, n_layers=3, norm="batch"),
+            lpips=dict(weights=lpips_path),
+            optimizer="adamw",
+            learning_rate=LEARNING_RATE,
+            disc_learning_rate=LEARNING_RATE,
+            warmup_steps=0,
+            min_lr_ratio=1.0,
+            weight_decay=0.0,
+            b1=0.5,
+            b2=0.9,
+            grad_clip_norm=0.0,
+            grad_accum_steps=1,
+            num_train_steps=1000,
+            reseed_threshold=0.0,
+        )
+    )
     model = vqgan.create_model(config)
     images = np.random.default_rng(0).uniform(-1, 1, (batch, 32, 32, 3)).astype(np.float32)
     state = vqgan.create_train_state(jax.random.PRNGKey(0), config, model, {"image": images})
@@ -305,9 +390,19 @@ def vqgan_gan_step(batch, directory):
     # Fresh Adam moments are zeros of the parameters' shapes, so the initial optimiser states
     # already fit the converted weights; only the tree layout must agree.
     if jax.tree.structure(params) != jax.tree.structure(state.params):
-        raise ValueError("vqgan_gan_step: converted taming weights do not match the task's parameter tree")
-    state = state.replace(**jax.tree.map(jnp.asarray, dict(
-        params=params, batch_stats=disc_variables["batch_stats"], quantizer_state=ae_variables.get("vq_state", {}))))
+        raise ValueError(
+            "vqgan_gan_step: converted taming weights do not match the task's parameter tree"
+        )
+    state = state.replace(
+        **jax.tree.map(
+            jnp.asarray,
+            dict(
+                params=params,
+                batch_stats=disc_variables["batch_stats"],
+                quantizer_state=ae_variables.get("vq_state", {}),
+            ),
+        )
+    )
     jax_step = functools.partial(vqgan.train_step, config=config, model=model)
 
     ae_opt = torch.optim.Adam(autoencoder.parameters(), lr=LEARNING_RATE, betas=(0.5, 0.9))
@@ -316,14 +411,18 @@ def vqgan_gan_step(batch, directory):
     last_layer = autoencoder["decoder"].conv_out.weight
 
     def torch_step():
-        quantized, codebook_loss, _ = autoencoder["quantize"](autoencoder["quant_conv"](autoencoder["encoder"](timages)))
+        quantized, codebook_loss, _ = autoencoder["quantize"](
+            autoencoder["quant_conv"](autoencoder["encoder"](timages))
+        )
         rec = autoencoder["decoder"](autoencoder["post_quant_conv"](quantized))
         ae_opt.zero_grad(set_to_none=True)
         g_loss, _ = loss(codebook_loss, timages, rec, 0, 10, last_layer=last_layer, split="train")
         g_loss.backward()
         ae_opt.step()
         d_opt.zero_grad(set_to_none=True)
-        d_loss, _ = loss(codebook_loss, timages, rec.detach(), 1, 10, last_layer=last_layer, split="train")
+        d_loss, _ = loss(
+            codebook_loss, timages, rec.detach(), 1, 10, last_layer=last_layer, split="train"
+        )
         d_loss.backward()
         d_opt.step()
         _sync()
@@ -331,9 +430,11 @@ def vqgan_gan_step(batch, directory):
     def step(state, batch, rng):
         return jax_step(state, batch, rng)[0]
 
-    return (f"VQGAN GAN step (disc + LPIPS) 32px ch64 batch {batch}, same weights",
-            Jax(step, state, {"image": images}, jax.random.PRNGKey(1), donate=True, split=(0, None)),
-            torch_step)
+    return (
+        f"VQGAN GAN step (disc + LPIPS) 32px ch64 batch {batch}, same weights",
+        Jax(step, state, {"image": images}, jax.random.PRNGKey(1), donate=True, split=(0, None)),
+        torch_step,
+    )
 
 
 def _taming_gpt(n_layer, n_embd, block_size, vocab):
@@ -357,11 +458,16 @@ def gpt_train(batch, length):
 
     def torch_loss():
         logits, _ = reference(tinputs)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ttargets.reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ttargets.reshape(-1)
+        )
 
     step, state = _jax_train_step(loss, variables["params"])
-    return (f"GPT train step 8 layers x 256, length {length}, batch {batch}",
-            Jax(step, state, inputs, targets, donate=True), _torch_train_step(reference, torch_loss))
+    return (
+        f"GPT train step 8 layers x 256, length {length}, batch {batch}",
+        Jax(step, state, inputs, targets, donate=True),
+        _torch_train_step(reference, torch_loss),
+    )
 
 
 def gpt_sample(batch, steps):
@@ -377,14 +483,22 @@ def gpt_sample(batch, steps):
         return sampling.sample(model, params, prefix, rng, steps, temperature=1.0, top_k=100)
 
     torch_step = _inference(
-        lambda: mingpt.sample(reference, tprefix, steps, temperature=1.0, sample=True, top_k=100))
-    return (f"GPT sampling {steps} tokens, batch {batch} (KV cache vs taming's loop)",
-            Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0), split=(0, None)), torch_step)
+        lambda: mingpt.sample(reference, tprefix, steps, temperature=1.0, sample=True, top_k=100)
+    )
+    return (
+        f"GPT sampling {steps} tokens, batch {batch} (KV cache vs taming's loop)",
+        Jax(sample, variables["params"], prefix, jax.random.PRNGKey(0), split=(0, None)),
+        torch_step,
+    )
 
 
 def add_cpu_devices_flag(parser):
-    parser.add_argument("--cpu-devices", type=int, default=0,
-                        help="XLA:CPU devices attnjax splits a batch over (0: one per core; 1: one device)")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="XLA:CPU devices attnjax splits a batch over (0: one per core; 1: one device)",
+    )
 
 
 def use_devices(cpu_devices: int):
@@ -419,19 +533,30 @@ def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "jax": jax.__version__, "jax_backend": jax.default_backend(), "jax_device": jax.devices()[0].device_kind,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "jax_device": jax.devices()[0].device_kind,
         "jax_device_count": jax.device_count(),
-        "torch": torch.__version__, "torch_device": DEVICE if DEVICE == "cpu" else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "torch_device": DEVICE if DEVICE == "cpu" else torch.cuda.get_device_name(),
     }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
-    parser.add_argument("--quick", action="store_true", help="small sizes and 2 repeats: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes and 2 repeats: a smoke run"
+    )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=None)
     add_cpu_devices_flag(parser)
@@ -441,8 +566,10 @@ def main():
     repeats = args.repeats or (2 if args.quick else 5)
 
     meta = machine()
-    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results"
-                       / f"compare_torch_{jax.default_backend()}.json")
+    out = pathlib.Path(
+        args.out
+        or pathlib.Path(__file__).parent / "results" / f"compare_torch_{jax.default_backend()}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as directory:
@@ -455,27 +582,50 @@ def main():
             rss_before = _rss_mib()
             description, jax_step, torch_step = table[name]()
             jax_step(), torch_step()  # warm-up
-            jax_ms, torch_ms = 1e3 * median_seconds(jax_step, repeats), 1e3 * median_seconds(torch_step, repeats)
-            row = dict(row=name, workload=description, attnjax_ms=jax_ms, torch_ms=torch_ms,
-                       speedup=torch_ms / jax_ms, attnjax_devices=jax_step.devices,
-                       attnjax_compile_s=jax_step.compile_s,
-                       attnjax_xla_temp_mib=jax_step.temp_mib, rss_growth_mib=_rss_mib() - rss_before)
+            jax_ms, torch_ms = (
+                1e3 * median_seconds(jax_step, repeats),
+                1e3 * median_seconds(torch_step, repeats),
+            )
+            row = dict(
+                row=name,
+                workload=description,
+                attnjax_ms=jax_ms,
+                torch_ms=torch_ms,
+                speedup=torch_ms / jax_ms,
+                attnjax_devices=jax_step.devices,
+                attnjax_compile_s=jax_step.compile_s,
+                attnjax_xla_temp_mib=jax_step.temp_mib,
+                rss_growth_mib=_rss_mib() - rss_before,
+            )
             results.append(row)
             # Written after every row, so an interrupted run keeps the rows it finished.
-            out.write_text(json.dumps({"machine": meta, "quick": args.quick, "repeats": repeats,
-                                       "rows": results}, indent=2))
-            print(f"{name:18s} attnjax {jax_ms:9.1f} ms  torch {torch_ms:9.1f} ms  "
-                  f"torch/attnjax {row['speedup']:5.2f}  ({jax_step.devices} device(s), compile "
-                  f"{jax_step.compile_s:.1f} s)", flush=True)
+            out.write_text(
+                json.dumps(
+                    {"machine": meta, "quick": args.quick, "repeats": repeats, "rows": results},
+                    indent=2,
+                )
+            )
+            print(
+                f"{name:18s} attnjax {jax_ms:9.1f} ms  torch {torch_ms:9.1f} ms  "
+                f"torch/attnjax {row['speedup']:5.2f}  ({jax_step.devices} device(s), compile "
+                f"{jax_step.compile_s:.1f} s)",
+                flush=True,
+            )
 
-    print(f"\nattnjax jit vs torch eager on {meta['cpu']} ({meta['cores']} cores, torch threads "
-          f"{meta['torch_threads']}), jax {meta['jax']} {meta['jax_backend']}, torch {meta['torch']} {DEVICE}; "
-          f"median of {repeats} after warm-up\n")
-    print("| workload | attnjax ms | torch ms | torch / attnjax | attnjax devices | compile s | XLA temp MiB | RSS growth MiB |")
+    print(
+        f"\nattnjax jit vs torch eager on {meta['cpu']} ({meta['cores']} cores, torch threads "
+        f"{meta['torch_threads']}), jax {meta['jax']} {meta['jax_backend']}, torch {meta['torch']} {DEVICE}; "
+        f"median of {repeats} after warm-up\n"
+    )
+    print(
+        "| workload | attnjax ms | torch ms | torch / attnjax | attnjax devices | compile s | XLA temp MiB | RSS growth MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['workload']} | {r['attnjax_ms']:.1f} | {r['torch_ms']:.1f} | {r['speedup']:.2f} | {r['attnjax_devices']} | "
-              f"{r['attnjax_compile_s']:.1f} | {r['attnjax_xla_temp_mib']:.0f} | {r['rss_growth_mib']:.0f} |")
+        print(
+            f"| {r['workload']} | {r['attnjax_ms']:.1f} | {r['torch_ms']:.1f} | {r['speedup']:.2f} | {r['attnjax_devices']} | "
+            f"{r['attnjax_compile_s']:.1f} | {r['attnjax_xla_temp_mib']:.0f} | {r['rss_growth_mib']:.0f} |"
+        )
     speedups = [r["speedup"] for r in results]
     print(f"\ngeometric mean torch / attnjax: {float(np.exp(np.mean(np.log(speedups)))):.2f}")
     print(f"saved {out}")

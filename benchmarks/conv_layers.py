@@ -8,6 +8,7 @@ jitted alone, NHWC/HWIO), and torch's forward and forward+backward (NCHW, its de
 backends, then with NNPACK off and with oneDNN off, which shows which of its kernels wins).
 Prints a table and writes ``benchmarks/results/conv_layers_<platform>.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,16 +20,23 @@ import jax
 import numpy as np
 import torch
 from jax import lax
-
 from timing import median_seconds
 
 # (height = width, c_in, c_out, how many the autoencoder has)
-SHAPES = [(32, 64, 64, 9), (32, 128, 64, 1), (32, 128, 128, 1), (16, 64, 128, 1), (16, 128, 128, 10),
-          (8, 128, 128, 18)]
+SHAPES = [
+    (32, 64, 64, 9),
+    (32, 128, 64, 1),
+    (32, 128, 128, 1),
+    (16, 64, 128, 1),
+    (16, 128, 128, 10),
+    (8, 128, 128, 18),
+]
 
 
 def _conv(x, w):
-    return lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return lax.conv_general_dilated(
+        x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
 
 
 def xla_times(x, w, repeats):
@@ -55,9 +63,11 @@ def torch_times(x, w, repeats):
         torch.nn.functional.conv2d(tx, tw, padding=1).sum().backward()
 
     out = {}
-    for backend, context in (("", torch.backends.mkldnn.flags(enabled=True)),
-                             ("no_nnpack_", torch.backends.nnpack.flags(enabled=False)),
-                             ("no_onednn_", torch.backends.mkldnn.flags(enabled=False))):
+    for backend, context in (
+        ("", torch.backends.mkldnn.flags(enabled=True)),
+        ("no_nnpack_", torch.backends.nnpack.flags(enabled=False)),
+        ("no_onednn_", torch.backends.mkldnn.flags(enabled=False)),
+    ):
         with context:
             for name, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
                 fn()
@@ -66,7 +76,9 @@ def torch_times(x, w, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default=None)
@@ -74,8 +86,10 @@ def main():
     torch.set_num_threads(os.cpu_count())
     rng = np.random.default_rng(0)
     rows = []
-    print("| maps | c_in -> c_out | count | GFLOP fwd | XLA fwd / dx / dw ms | XLA total | torch fwd+bwd "
-          "| no NNPACK | no oneDNN | torch / XLA |")
+    print(
+        "| maps | c_in -> c_out | count | GFLOP fwd | XLA fwd / dx / dw ms | XLA total | torch fwd+bwd "
+        "| no NNPACK | no oneDNN | torch / XLA |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for size, c_in, c_out, count in SHAPES:
         x = rng.standard_normal((args.batch, size, size, c_in)).astype(np.float32)
@@ -83,16 +97,45 @@ def main():
         xla, ref = xla_times(x, w, args.repeats), torch_times(x, w, args.repeats)
         total = xla["fwd"] + xla["dx"] + xla["dw"]
         gflop = 2 * args.batch * size * size * c_in * c_out * 9 / 1e9
-        rows.append(dict(size=size, c_in=c_in, c_out=c_out, count=count, gflop_forward=gflop, xla_ms=xla,
-                         torch_ms=ref, xla_total_ms=total))
-        print(f"| {args.batch}x{size}x{size} | {c_in} -> {c_out} | {count} | {gflop:.2f} | {xla['fwd']:.1f} / "
-              f"{xla['dx']:.1f} / {xla['dw']:.1f} | {total:.1f} | {ref['fwd_bwd']:.1f} | {ref['no_nnpack_fwd_bwd']:.1f} "
-              f"| {ref['no_onednn_fwd_bwd']:.1f} | {ref['fwd_bwd'] / total:.2f} |", flush=True)
-    weighted = sum(r["count"] * r["xla_total_ms"] for r in rows), sum(r["count"] * r["torch_ms"]["fwd_bwd"] for r in rows)
-    print(f"\nweighted by count: XLA {weighted[0]:.0f} ms, torch {weighted[1]:.0f} ms per step of 3x3 convs")
-    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"conv_layers_{jax.default_backend()}.json")
-    out.write_text(json.dumps({"batch": args.batch, "rows": rows, "weighted_ms": {"xla": weighted[0], "torch": weighted[1]}},
-                              indent=2))
+        rows.append(
+            dict(
+                size=size,
+                c_in=c_in,
+                c_out=c_out,
+                count=count,
+                gflop_forward=gflop,
+                xla_ms=xla,
+                torch_ms=ref,
+                xla_total_ms=total,
+            )
+        )
+        print(
+            f"| {args.batch}x{size}x{size} | {c_in} -> {c_out} | {count} | {gflop:.2f} | {xla['fwd']:.1f} / "
+            f"{xla['dx']:.1f} / {xla['dw']:.1f} | {total:.1f} | {ref['fwd_bwd']:.1f} | {ref['no_nnpack_fwd_bwd']:.1f} "
+            f"| {ref['no_onednn_fwd_bwd']:.1f} | {ref['fwd_bwd'] / total:.2f} |",
+            flush=True,
+        )
+    weighted = (
+        sum(r["count"] * r["xla_total_ms"] for r in rows),
+        sum(r["count"] * r["torch_ms"]["fwd_bwd"] for r in rows),
+    )
+    print(
+        f"\nweighted by count: XLA {weighted[0]:.0f} ms, torch {weighted[1]:.0f} ms per step of 3x3 convs"
+    )
+    out = pathlib.Path(
+        args.out
+        or pathlib.Path(__file__).parent / "results" / f"conv_layers_{jax.default_backend()}.json"
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "batch": args.batch,
+                "rows": rows,
+                "weighted_ms": {"xla": weighted[0], "torch": weighted[1]},
+            },
+            indent=2,
+        )
+    )
     print(f"saved {out}")
 
 

@@ -11,6 +11,7 @@ writing a checkpoint: its ``<step>.orbax-checkpoint-tmp`` directory is on disk) 
 end. Prints one table row per interruption and compares the final parameters of the two
 workdirs bit for bit, and checks that metrics.jsonl holds each step once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,24 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from attnjax.train import checkpoint, preemption
+from attnjax.train import checkpoint, preemption  # noqa: E402
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 def train_command(workdir: str, steps: int, data_dir: str, extra: list[str]) -> list[str]:
-    command = [sys.executable, "train.py", "--config", "configs/vit_digits.py",
-               "--workdir", workdir, f"--config.num_train_steps={steps}",
-               "--config.checkpoint_every=25", "--config.log_every=5",
-               "--config.eval_every=100"]
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/vit_digits.py",
+        "--workdir",
+        workdir,
+        f"--config.num_train_steps={steps}",
+        "--config.checkpoint_every=25",
+        "--config.log_every=5",
+        "--config.eval_every=100",
+    ]
     if data_dir:
         command.append(f"--config.data.data_dir={data_dir}")
     return command + extra
@@ -87,8 +96,9 @@ def interrupt(command, workdir, env, how: str, rng: random.Random) -> dict:
     old_temporary = temporary_dirs(workdir)
     # A random moment within the next 30 steps (logs come every 5; one step takes ~10 ms).
     target = logged_before + 5 * rng.randint(1, 6)
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     moment, new_temporary = "", set()
     while proc.poll() is None:
         new_temporary = temporary_dirs(workdir) - old_temporary
@@ -104,10 +114,15 @@ def interrupt(command, workdir, env, how: str, rng: random.Random) -> dict:
     started_write = bool(new_temporary or temporary_dirs(workdir) - old_temporary)
     proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
     _, stderr = proc.communicate()
-    return {"how": how, "moment": moment or "(ended first)", "from": before,
-            "status": proc.returncode, "tmp_dir_seen": started_write,
-            "saved": max(saved_steps(workdir), default=0),
-            "message": stderr.strip().splitlines()[-1] if stderr.strip() else ""}
+    return {
+        "how": how,
+        "moment": moment or "(ended first)",
+        "from": before,
+        "status": proc.returncode,
+        "tmp_dir_seen": started_write,
+        "saved": max(saved_steps(workdir), default=0),
+        "message": stderr.strip().splitlines()[-1] if stderr.strip() else "",
+    }
 
 
 def final_params(workdir: str) -> dict:
@@ -127,46 +142,73 @@ def main():
     parser.add_argument("train_flags", nargs="*", help="more train.py flags (after --)")
     args = parser.parse_args()
     base = args.workdir or tempfile.mkdtemp(prefix="attnjax_faults_")
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(base, "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": os.path.join(base, "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
     straight, faulted = os.path.join(base, "straight"), os.path.join(base, "faulted")
 
     start = time.perf_counter()
-    subprocess.run(train_command(straight, args.steps, args.data_dir, args.train_flags), cwd=ROOT, env=env,
-                   check=True, capture_output=True)
+    subprocess.run(
+        train_command(straight, args.steps, args.data_dir, args.train_flags),
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     print(f"uninterrupted run: {time.perf_counter() - start:.0f}s")
 
     rng = random.Random(args.seed)
-    plan = (["kill -9 during write"] * args.kills_during_write
-            + ["kill -9"] * (args.kills - args.kills_during_write) + ["SIGTERM"] * args.sigterms)
+    plan = (
+        ["kill -9 during write"] * args.kills_during_write
+        + ["kill -9"] * (args.kills - args.kills_during_write)
+        + ["SIGTERM"] * args.sigterms
+    )
     rng.shuffle(plan)
     command = train_command(faulted, args.steps, args.data_dir, args.train_flags)
     rows = [interrupt(command, faulted, env, how, rng) for how in plan]
     resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
 
-    print(f"\n{'#':>2}  {'signal':<21} {'moment':<30} {'from':>5} {'exit':>5} {'saved':>5}  "
-          f"{'write in progress'}")
+    print(
+        f"\n{'#':>2}  {'signal':<21} {'moment':<30} {'from':>5} {'exit':>5} {'saved':>5}  "
+        f"{'write in progress'}"
+    )
     for i, row in enumerate(rows, 1):
-        print(f"{i:>2}  {row['how']:<21} {row['moment']:<30} {row['from']:>5} "
-              f"{row['status']:>5} {row['saved']:>5}  {row['tmp_dir_seen']}")
+        print(
+            f"{i:>2}  {row['how']:<21} {row['moment']:<30} {row['from']:>5} "
+            f"{row['status']:>5} {row['saved']:>5}  {row['tmp_dir_seen']}"
+        )
     print(f"final run: exit {resumed.returncode}, checkpoints {saved_steps(faulted)}")
 
-    sigterm_ok = all(r["status"] == preemption.REQUEUE_EXIT_CODE and "stopped by SIGTERM after "
-                     f"step {r['saved']};" in r["message"] for r in rows if r["how"] == "SIGTERM")
+    sigterm_ok = all(
+        r["status"] == preemption.REQUEUE_EXIT_CODE
+        and f"stopped by SIGTERM after step {r['saved']};" in r["message"]
+        for r in rows
+        if r["how"] == "SIGTERM"
+    )
     kills_ok = all(r["status"] == -signal.SIGKILL for r in rows if r["how"] != "SIGTERM")
     during_write = sum(r["how"] != "SIGTERM" and r["tmp_dir_seen"] for r in rows)
     expected, got = final_params(straight), final_params(faulted)
     identical = sorted(expected) == sorted(got) and all(
-        np.array_equal(expected[k], got[k]) for k in expected)
-    train_steps = [json.loads(l)["step"] for l in open(os.path.join(faulted, "metrics.jsonl"))
-                   if "train/loss" in l]
+        np.array_equal(expected[k], got[k]) for k in expected
+    )
+    train_steps = [
+        json.loads(l)["step"]
+        for l in open(os.path.join(faulted, "metrics.jsonl"))
+        if "train/loss" in l
+    ]
     once = train_steps == list(range(5, args.steps + 1, 5))
-    print(f"kills with status -9: {kills_ok}; killed during a checkpoint write: {during_write}; "
-          f"SIGTERM saved the current step and exited {preemption.REQUEUE_EXIT_CODE}: "
-          f"{sigterm_ok}")
+    print(
+        f"kills with status -9: {kills_ok}; killed during a checkpoint write: {during_write}; "
+        f"SIGTERM saved the current step and exited {preemption.REQUEUE_EXIT_CODE}: "
+        f"{sigterm_ok}"
+    )
     print(f"metrics.jsonl: each train step once: {once}")
-    print(f"final parameters bit-identical to the uninterrupted run: {identical} "
-          f"({len(expected)} arrays, {sum(v.size for v in expected.values())} values)")
+    print(
+        f"final parameters bit-identical to the uninterrupted run: {identical} "
+        f"({len(expected)} arrays, {sum(v.size for v in expected.values())} values)"
+    )
     print(f"total {time.perf_counter() - start:.0f}s, workdirs under {base}")
     return 0 if identical and once and kills_ok and sigterm_ok and resumed.returncode == 0 else 1
 

@@ -21,6 +21,7 @@ vocab 16384 codes + 1000 classes, block 256 + 1):
 * examples / device: the largest per-device batch whose activations (with remat where the
   model has it) fit beside the model state in 16 GiB / 80 GiB; "no" = not even one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,10 @@ import ml_collections
 import numpy as np
 
 from attnjax.models import gpt, vit
-from attnjax.tasks import classification
+from attnjax.tasks import classification, vqgan
 from attnjax.train import optim
-from attnjax.tasks import vqgan
 
-GIB = 2 ** 30
+GIB = 2**30
 CAPACITIES_GIB = (16, 80)
 GPT_1_4B = dict(vocab_size=16384 + 1000, block_size=256 + 1, n_layer=48, n_head=24, n_embd=1536)
 
@@ -58,31 +58,43 @@ def temp_bytes(loss, params, inputs) -> int:
 
 
 def adamw_config():
-    return ml_collections.ConfigDict(dict(
-        optimizer="adamw", learning_rate=1e-3, warmup_steps=0, num_train_steps=1000,
-        weight_decay=0.05, grad_clip_norm=1.0))
+    return ml_collections.ConfigDict(
+        dict(
+            optimizer="adamw",
+            learning_rate=1e-3,
+            warmup_steps=0,
+            num_train_steps=1000,
+            weight_decay=0.05,
+            grad_clip_norm=1.0,
+        )
+    )
 
 
 def vit_row(name, variant, image_size):
     config = adamw_config()
-    config.model = ml_collections.ConfigDict(dict(variant=variant, num_classes=1000,
-                                                  image_size=image_size, scan_layers=False))
+    config.model = ml_collections.ConfigDict(
+        dict(variant=variant, num_classes=1000, image_size=image_size, scan_layers=False)
+    )
     model = classification.create_model(config)
     example = {"image": jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)}
     state = jax.eval_shape(
         lambda r, ex: classification.create_train_state(r, config, model, ex),
-        jax.random.PRNGKey(0), example)
+        jax.random.PRNGKey(0),
+        example,
+    )
 
     def layered(depth):
         small = vit.create_vit(variant, num_classes=1000, image_size=image_size, depth=depth)
-        params = jax.eval_shape(lambda r, x: small.init(r, x, train=False),
-                                jax.random.PRNGKey(0), example["image"])["params"]
+        params = jax.eval_shape(
+            lambda r, x: small.init(r, x, train=False), jax.random.PRNGKey(0), example["image"]
+        )["params"]
         loss = lambda p, x: small.apply({"params": p}, x, train=False).sum()  # noqa: E731
         return temp_bytes(loss, params, example["image"])
 
     tokens = (image_size // model.patch_size) ** 2 + 1
-    return _layered_row(name, state.params, state.opt_state, layered, model.depth,
-                        tokens * model.width * 4)
+    return _layered_row(
+        name, state.params, state.opt_state, layered, model.depth, tokens * model.width * 4
+    )
 
 
 def gpt_row(name):
@@ -97,17 +109,27 @@ def gpt_row(name):
         loss = lambda p, x: small.apply({"params": p}, x).sum()  # noqa: E731
         return temp_bytes(loss, small_params, indices)
 
-    return _layered_row(name, params, opt_state, layered, GPT_1_4B["n_layer"],
-                        GPT_1_4B["block_size"] * GPT_1_4B["n_embd"] * 4)
+    return _layered_row(
+        name,
+        params,
+        opt_state,
+        layered,
+        GPT_1_4B["n_layer"],
+        GPT_1_4B["block_size"] * GPT_1_4B["n_embd"] * 4,
+    )
 
 
 def _layered_row(name, params, opt_state, layered, depth, block_input_bytes):
     one, two = layered(1), layered(2)
     per_layer = two - one
-    return dict(model=name, parameters=tree_size(params), param_bytes=tree_bytes(params),
-                optimizer_bytes=tree_bytes(opt_state),
-                activation_bytes=one + (depth - 1) * per_layer,
-                activation_bytes_remat=one + (depth - 1) * block_input_bytes)
+    return dict(
+        model=name,
+        parameters=tree_size(params),
+        param_bytes=tree_bytes(params),
+        optimizer_bytes=tree_bytes(opt_state),
+        activation_bytes=one + (depth - 1) * per_layer,
+        activation_bytes_remat=one + (depth - 1) * block_input_bytes,
+    )
 
 
 def vqgan_row(name):
@@ -123,24 +145,34 @@ def vqgan_row(name):
     images = jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32)
     state = jax.eval_shape(
         lambda r, ex: vqgan.create_train_state(r, config, model, ex),
-        jax.random.PRNGKey(0), {"image": images})
-    params = {"autoencoder": state.params["autoencoder"],
-              "discriminator": state.params["discriminator"]}
+        jax.random.PRNGKey(0),
+        {"image": images},
+    )
+    params = {
+        "autoencoder": state.params["autoencoder"],
+        "discriminator": state.params["discriminator"],
+    }
     opt_state = (state.opt_state, getattr(state, "disc_opt_state", None))
+
     def loss(p, inputs):
         x, vq_state, batch_stats = inputs
         reconstruction, _ = model["autoencoder"].apply(
-            {"params": p["autoencoder"], "vq_state": vq_state}, x, mutable=["vq_state"])[0]
+            {"params": p["autoencoder"], "vq_state": vq_state}, x, mutable=["vq_state"]
+        )[0]
         logits = model["discriminator"].apply(
-            {"params": p["discriminator"], "batch_stats": batch_stats}, reconstruction,
-            train=False)
+            {"params": p["discriminator"], "batch_stats": batch_stats}, reconstruction, train=False
+        )
         return jnp.sum(reconstruction) + jnp.sum(logits)
 
-    activations = temp_bytes(loss, params,
-                             (images, state.params["vq_state"], state.batch_stats))
-    return dict(model=name, parameters=tree_size(params), param_bytes=tree_bytes(params),
-                optimizer_bytes=tree_bytes(opt_state), activation_bytes=activations,
-                activation_bytes_remat=None)
+    activations = temp_bytes(loss, params, (images, state.params["vq_state"], state.batch_stats))
+    return dict(
+        model=name,
+        parameters=tree_size(params),
+        param_bytes=tree_bytes(params),
+        optimizer_bytes=tree_bytes(opt_state),
+        activation_bytes=activations,
+        activation_bytes_remat=None,
+    )
 
 
 def per_device(row, devices: int, fsdp: bool) -> int:
@@ -159,11 +191,13 @@ def examples_that_fit(row, devices, fsdp, capacity_gib) -> int:
 def format_table(rows, device_counts) -> str:
     gib = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     layouts = "DP / " + " / ".join(f"FSDP x{n}" for n in device_counts)
-    lines = ["| model | parameters | params GiB | AdamW GiB | activations / example GiB "
-             "(no remat / remat) | DP GiB / device | "
-             + " | ".join(f"FSDP x{n} GiB / device" for n in device_counts)
-             + "".join(f" | examples / device in {c} GiB ({layouts})" for c in CAPACITIES_GIB)
-             + " |"]
+    lines = [
+        "| model | parameters | params GiB | AdamW GiB | activations / example GiB "
+        "(no remat / remat) | DP GiB / device | "
+        + " | ".join(f"FSDP x{n} GiB / device" for n in device_counts)
+        + "".join(f" | examples / device in {c} GiB ({layouts})" for c in CAPACITIES_GIB)
+        + " |"
+    ]
     lines.append("|" + "---|" * (6 + len(device_counts) + len(CAPACITIES_GIB)))
     for row in rows:
         remat = gib(row["activation_bytes_remat"]) if row["activation_bytes_remat"] else "n/a"
@@ -177,7 +211,9 @@ def format_table(rows, device_counts) -> str:
             f"{gib(row['optimizer_bytes'])} | {gib(row['activation_bytes'])} / {remat} | "
             f"{gib(per_device(row, 1, False))} | "
             + " | ".join(gib(per_device(row, n, True)) for n in device_counts)
-            + "".join(f" | {f}" for f in fit) + " |")
+            + "".join(f" | {f}" for f in fit)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -185,16 +221,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--json", default="benchmarks/results/memory.json")
-    parser.add_argument("--from-json", action="store_true",
-                        help="reprint the table from --json instead of compiling again")
+    parser.add_argument(
+        "--from-json",
+        action="store_true",
+        help="reprint the table from --json instead of compiling again",
+    )
     args = parser.parse_args()
     if args.from_json:
         with open(args.json) as f:
             print(format_table(json.load(f)["rows"], args.devices))
         return
-    rows = [vit_row("ViT-B/16", "B/16", 224), vit_row("ViT-L/16", "L/16", 224),
-            vit_row("ViT-H/14", "H/14", 224), vqgan_row("VQGAN f16 (ImageNet)"),
-            gpt_row("GPT prior 1.4B")]
+    rows = [
+        vit_row("ViT-B/16", "B/16", 224),
+        vit_row("ViT-L/16", "L/16", 224),
+        vit_row("ViT-H/14", "H/14", 224),
+        vqgan_row("VQGAN f16 (ImageNet)"),
+        gpt_row("GPT prior 1.4B"),
+    ]
     table = format_table(rows, args.devices)
     print(f"backend: {jax.default_backend()} ({platform.processor() or platform.machine()})")
     print(table)

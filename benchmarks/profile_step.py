@@ -13,6 +13,7 @@ classes are shares of the traced time. Rows run as in ``compare_torch.py``: spli
 device per core (``--cpu-devices``), the traced time then summing every device's operations.
 JSON in ``benchmarks/results/profile_<platform>.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,10 @@ import re
 import tempfile
 import time
 
+import compare_torch
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import compare_torch
 from timing import median_seconds
 
 _INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(")
@@ -64,9 +64,11 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict]:
             body = computations.get(called.group(1), []) if called else []
             inner = {m.group(3) for m in map(_INSTRUCTION.match, body) if m}
             source = re.search(r'op_name="([^"]+)"', line) or next(
-                (s for s in (re.search(r'op_name="([^"]+)"', b) for b in body) if s), None)
-            instructions[name] = dict(shape=shape, opcode=opcode, inner=inner,
-                                      source=source.group(1) if source else "")
+                (s for s in (re.search(r'op_name="([^"]+)"', b) for b in body) if s), None
+            )
+            instructions[name] = dict(
+                shape=shape, opcode=opcode, inner=inner, source=source.group(1) if source else ""
+            )
     return instructions
 
 
@@ -76,9 +78,25 @@ def op_class(instruction: dict) -> str:
         return "convolution"
     if "dot" in ops:
         return "dot"
-    if ops & {"transpose", "copy"} and not ops & {"exponential", "reduce", "multiply", "add", "divide"}:
+    if ops & {"transpose", "copy"} and not ops & {
+        "exponential",
+        "reduce",
+        "multiply",
+        "add",
+        "divide",
+    }:
         return "transpose/copy"
-    if ops & {"fusion", "add", "multiply", "reduce", "exponential", "divide", "subtract", "maximum", "select"}:
+    if ops & {
+        "fusion",
+        "add",
+        "multiply",
+        "reduce",
+        "exponential",
+        "divide",
+        "subtract",
+        "maximum",
+        "select",
+    }:
         return "elementwise/reduce"
     return "other"
 
@@ -97,7 +115,9 @@ def profile_row(name: str, table: dict, steps: int, top: int) -> dict:
         for _ in range(steps):
             jax_step()
         jax.profiler.stop_trace()
-        trace = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+        trace = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[
+            -1
+        ]
         with gzip.open(trace) as f:
             events = json.load(f)["traceEvents"]
     per_op = collections.Counter()
@@ -109,18 +129,35 @@ def profile_row(name: str, table: dict, steps: int, top: int) -> dict:
         classes[op_class(instructions[op])] += ms
     traced = sum(per_op.values())
     return {
-        "row": name, "workload": description, "devices": jax_step.devices, "step_ms": step_ms, "gflop": flops / 1e9,
-        "gflops_per_s": flops / 1e9 / (step_ms / 1e3), "traced_ms": traced,
+        "row": name,
+        "workload": description,
+        "devices": jax_step.devices,
+        "step_ms": step_ms,
+        "gflop": flops / 1e9,
+        "gflops_per_s": flops / 1e9 / (step_ms / 1e3),
+        "traced_ms": traced,
         "classes": {k: {"ms": v, "share": v / traced} for k, v in classes.most_common()},
-        "top": [dict(op=op, ms=ms, share=ms / traced, cls=op_class(instructions[op]),
-                     shape=instructions[op]["shape"], source=instructions[op]["source"])
-                for op, ms in per_op.most_common(top)],
+        "top": [
+            dict(
+                op=op,
+                ms=ms,
+                share=ms / traced,
+                cls=op_class(instructions[op]),
+                shape=instructions[op]["shape"],
+                source=instructions[op]["source"],
+            )
+            for op, ms in per_op.most_common(top)
+        ],
     }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="vqgan_autoencoder,vqgan_gan_step,vit_cifar_train,gpt_train,mha")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--rows", default="vqgan_autoencoder,vqgan_gan_step,vit_cifar_train,gpt_train,mha"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=None)
@@ -128,7 +165,9 @@ def main():
     args = parser.parse_args()
     compare_torch.use_devices(args.cpu_devices)
     peak = matmul_gflops()
-    print(f"float32 matmul 2048^3: {peak:.0f} GFLOP/s ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)")
+    print(
+        f"float32 matmul 2048^3: {peak:.0f} GFLOP/s ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)"
+    )
     results = []
     with tempfile.TemporaryDirectory() as directory:
         table = compare_torch.rows(False, directory)
@@ -138,18 +177,29 @@ def main():
         for name in args.rows.split(","):
             r = profile_row(name, table, args.steps, args.top)
             results.append(r)
-            print(f"\n## {r['workload']} ({r['devices']} device(s)): {r['step_ms']:.1f} ms, {r['gflop']:.1f} GFLOP, "
-                  f"{r['gflops_per_s']:.0f} GFLOP/s ({100 * r['gflops_per_s'] / peak:.0f}% of matmul)")
+            print(
+                f"\n## {r['workload']} ({r['devices']} device(s)): {r['step_ms']:.1f} ms, {r['gflop']:.1f} GFLOP, "
+                f"{r['gflops_per_s']:.0f} GFLOP/s ({100 * r['gflops_per_s'] / peak:.0f}% of matmul)"
+            )
             print("| class | traced ms | share |\n|---|---|---|")
             for cls, v in r["classes"].items():
                 print(f"| {cls} | {v['ms']:.1f} | {100 * v['share']:.0f}% |")
             print("| op | class | ms | share | shape | from |\n|---|---|---|---|---|---|")
             for t in r["top"]:
-                print(f"| {t['op']} | {t['cls']} | {t['ms']:.1f} | {100 * t['share']:.1f}% | {t['shape']} | "
-                      f"{t['source'][-60:]} |")
-    out = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"profile_{jax.default_backend()}.json")
-    out.write_text(json.dumps({"matmul_gflops": peak, "time": time.strftime("%Y-%m-%d %H:%M"), "rows": results},
-                              indent=2))
+                print(
+                    f"| {t['op']} | {t['cls']} | {t['ms']:.1f} | {100 * t['share']:.1f}% | {t['shape']} | "
+                    f"{t['source'][-60:]} |"
+                )
+    out = pathlib.Path(
+        args.out
+        or pathlib.Path(__file__).parent / "results" / f"profile_{jax.default_backend()}.json"
+    )
+    out.write_text(
+        json.dumps(
+            {"matmul_gflops": peak, "time": time.strftime("%Y-%m-%d %H:%M"), "rows": results},
+            indent=2,
+        )
+    )
     print(f"\nsaved {out}")
 
 

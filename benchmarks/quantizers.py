@@ -15,6 +15,7 @@ on a shared machine). Each row's numbers are kept in ``<workdir>/<row>/result.js
 the step budget matches), so rows may run in separate processes at once; every process rewrites
 ``benchmarks/results/quantizers_digits.{json,md}`` from all finished rows.
 """
+
 import argparse
 import json
 import os
@@ -31,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 import demo  # noqa: E402
-from attnjax.tasks import classification
-from attnjax.tasks import prior as prior_task
+from attnjax.tasks import classification  # noqa: E402
+from attnjax.tasks import prior as prior_task  # noqa: E402
 
 ROWS = {
     "vq": {},  # the digits config as it is: cosine codes + dead-code re-seeding
@@ -60,10 +61,15 @@ def configs_for(row, vqgan_steps, prior_steps, workdir):
 def recipe(args) -> dict:
     """What a row's numbers depend on besides the quantizer: reused rows must match it."""
     vqgan_config, prior_config = configs_for("vq", args.vqgan_steps, args.prior_steps, "")
-    return {"vqgan_steps": vqgan_config.num_train_steps, "prior_steps": prior_config.num_train_steps,
-            "vqgan_batch_size": vqgan_config.batch_size, "vqgan_learning_rate": vqgan_config.learning_rate,
-            "prior_batch_size": prior_config.batch_size, "prior_learning_rate": prior_config.learning_rate,
-            "prior_dropout": prior_config.model.resid_pdrop}
+    return {
+        "vqgan_steps": vqgan_config.num_train_steps,
+        "prior_steps": prior_config.num_train_steps,
+        "vqgan_batch_size": vqgan_config.batch_size,
+        "vqgan_learning_rate": vqgan_config.learning_rate,
+        "prior_batch_size": prior_config.batch_size,
+        "prior_learning_rate": prior_config.learning_rate,
+        "prior_dropout": prior_config.model.resid_pdrop,
+    }
 
 
 def run_row(row, args, vit_config, predict):
@@ -73,8 +79,13 @@ def run_row(row, args, vit_config, predict):
     prior_stage = demo.run_stage("prior", prior_config, os.path.join(workdir, "prior"), {})
     vqgan = prior_task.load_vqgan(os.path.join(workdir, "vqgan"))
     sample_accuracy, _ = demo.sample_and_classify(
-        prior_config, os.path.join(workdir, "prior"), vit_config, predict, args.samples_per_class,
-        os.path.join(workdir, "samples.png"))
+        prior_config,
+        os.path.join(workdir, "prior"),
+        vit_config,
+        predict,
+        args.samples_per_class,
+        os.path.join(workdir, "samples.png"),
+    )
     vq_metrics, prior_metrics = vq_stage["metrics"], prior_stage["metrics"]
     return {
         "quantizer": dict(vqgan_config.model.quantizer.to_dict(), n_embed=vqgan.model.n_embed),
@@ -112,11 +123,16 @@ def markdown(results) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for row, r in results["rows"].items():
-        seconds = "n/a" if r["vqgan_seconds"] is None or r["prior_seconds"] is None else \
-            f"{r['vqgan_seconds']:.0f} + {r['prior_seconds']:.0f}"
-        lines.append(f"| {row} | {r['psnr']:.2f} | {r['codebook_usage']:.3f} | {r['perplexity']:.1f} "
-                     f"| {r['vit_accuracy_on_reconstructions']:.3f} | {r['prior_bits_per_token']:.3f} "
-                     f"| {r['sample_class_accuracy']:.3f} | {seconds} |")
+        seconds = (
+            "n/a"
+            if r["vqgan_seconds"] is None or r["prior_seconds"] is None
+            else f"{r['vqgan_seconds']:.0f} + {r['prior_seconds']:.0f}"
+        )
+        lines.append(
+            f"| {row} | {r['psnr']:.2f} | {r['codebook_usage']:.3f} | {r['perplexity']:.1f} "
+            f"| {r['vit_accuracy_on_reconstructions']:.3f} | {r['prior_bits_per_token']:.3f} "
+            f"| {r['sample_class_accuracy']:.3f} | {seconds} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +143,9 @@ def main():
     parser.add_argument("--samples_per_class", type=int, default=50)
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--workdir", default="runs/bench_quantizers")
-    parser.add_argument("--vit_workdir", default="", help="a trained digits ViT ('': <workdir>/vit)")
+    parser.add_argument(
+        "--vit_workdir", default="", help="a trained digits ViT ('': <workdir>/vit)"
+    )
     args = parser.parse_args()
     rows = args.rows.split(",")
     unknown = [row for row in rows if row not in ROWS]
@@ -138,17 +156,21 @@ def main():
     vit_workdir = args.vit_workdir or os.path.join(args.workdir, "vit")
     vit_stage = demo.run_stage("vit", vit_config, vit_workdir, {})
     _, predict = classification.make_predict(vit_workdir)
-    results = {**recipe(args),
-               "samples_per_class": args.samples_per_class,
-               "vit_test_accuracy": vit_stage["metrics"]["eval/accuracy"],
-               "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
-               "rows": {}}
+    results = {
+        **recipe(args),
+        "samples_per_class": args.samples_per_class,
+        "vit_test_accuracy": vit_stage["metrics"]["eval/accuracy"],
+        "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
+        "rows": {},
+    }
     json_path, md_path = RESULTS / "quantizers_digits.json", RESULTS / "quantizers_digits.md"
     for row in rows:
         if row not in finished_rows(args):
             start = time.perf_counter()
             result = dict(run_row(row, args, vit_config, predict), **recipe(args))
-            (pathlib.Path(args.workdir) / row / "result.json").write_text(json.dumps(result, indent=2))
+            (pathlib.Path(args.workdir) / row / "result.json").write_text(
+                json.dumps(result, indent=2)
+            )
             print(f"[{row}] done in {time.perf_counter() - start:.0f} s: {result}", flush=True)
         results["rows"] = finished_rows(args)
         json_path.write_text(json.dumps(results, indent=2))

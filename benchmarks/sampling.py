@@ -18,6 +18,7 @@ disturbed by other load on a shared machine). Prints a table and writes ``benchm
 
     .venv/bin/python benchmarks/sampling.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
-
-from attnjax.models import sampling
-from attnjax.convert.taming import gpt_from_taming
 from taming.modules.transformer import mingpt  # noqa: E402
+
+from attnjax.convert.taming import gpt_from_taming
+from attnjax.models import sampling
 
 MODEL = dict(vocab_size=128, n_layer=2, n_head=4, n_embd=64)
 TOP_K = 32
@@ -70,8 +71,13 @@ def run(lengths, batches):
             rng = jax.random.key(0)
             tokens = batch * length
             row = {"length": length, "batch": batch}
-            for name, sampler in (("cached", sampling.sample), ("recompute", sampling.sample_recompute)):
-                program = jax.jit(lambda p, x, r, sampler=sampler: sampler(model, p, x, r, length, top_k=TOP_K))
+            for name, sampler in (
+                ("cached", sampling.sample),
+                ("recompute", sampling.sample_recompute),
+            ):
+                program = jax.jit(
+                    lambda p, x, r, sampler=sampler: sampler(model, p, x, r, length, top_k=TOP_K)
+                )
                 start = time.perf_counter()
                 compiled = program.lower(params, prefix, rng).compile()
                 row[f"{name}_compile_s"] = time.perf_counter() - start
@@ -81,9 +87,14 @@ def run(lengths, batches):
             with torch.no_grad():
                 mingpt.sample(torch_model, torch_prefix, 2, sample=True, top_k=TOP_K)  # warm-up
                 steady = _best_seconds(
-                    lambda: mingpt.sample(torch_model, torch_prefix, length, sample=True, top_k=TOP_K))
+                    lambda: mingpt.sample(
+                        torch_model, torch_prefix, length, sample=True, top_k=TOP_K
+                    )
+                )
             row["taming_tokens_per_s"] = tokens / steady
-            row["cached_over_recompute"] = row["cached_tokens_per_s"] / row["recompute_tokens_per_s"]
+            row["cached_over_recompute"] = (
+                row["cached_tokens_per_s"] / row["recompute_tokens_per_s"]
+            )
             row["cached_over_taming"] = row["cached_tokens_per_s"] / row["taming_tokens_per_s"]
             rows.append(row)
             print(_format_row(row), flush=True)
@@ -107,40 +118,55 @@ def _format_row(row):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="length 16 and 64, batch 1 and 16 only")
+    parser.add_argument(
+        "--quick", action="store_true", help="length 16 and 64, batch 1 and 16 only"
+    )
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS)
-    parser.add_argument("--torch_threads", type=int, default=1,
-                        help="PyTorch intra-op threads; with 2 on 2 shared, busy cores its OpenMP "
-                        "spin-waiting made the loop ~20x slower than with 1")
+    parser.add_argument(
+        "--torch_threads",
+        type=int,
+        default=1,
+        help="PyTorch intra-op threads; with 2 on 2 shared, busy cores its OpenMP "
+        "spin-waiting made the loop ~20x slower than with 1",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     lengths, batches = ((16, 64), (1, 16)) if args.quick else ((16, 64, 256), (1, 16, 64))
-    print(f"GPT {MODEL}, top_k={TOP_K}, jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+    print(
+        f"GPT {MODEL}, top_k={TOP_K}, jax {jax.__version__} on {jax.devices()[0].platform}, "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads"
+    )
     print(_HEADER)
     start = time.perf_counter()
     rows = run(lengths, batches)
     total = time.perf_counter() - start
     at_256 = [row["cached_over_recompute"] for row in rows if row["length"] == 256]
     if at_256:
-        print(f"cached vs full recompute at length 256: {min(at_256):.1f}x (worst batch) .. "
-              f"{max(at_256):.1f}x (best batch)")
+        print(
+            f"cached vs full recompute at length 256: {min(at_256):.1f}x (worst batch) .. "
+            f"{max(at_256):.1f}x (best batch)"
+        )
     print(f"total {total:.0f} s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({
-        "model": MODEL,
-        "top_k": TOP_K,
-        "prefix_length": 1,
-        "jax": jax.__version__,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "device": jax.devices()[0].device_kind,
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "machine": platform.machine(),
-        "total_seconds": total,
-        "rows": rows,
-    }, indent=2))
+    args.output.write_text(
+        json.dumps(
+            {
+                "model": MODEL,
+                "top_k": TOP_K,
+                "prefix_length": 1,
+                "jax": jax.__version__,
+                "torch": torch.__version__,
+                "torch_threads": torch.get_num_threads(),
+                "device": jax.devices()[0].device_kind,
+                "cpu_count": os.cpu_count(),
+                "python": sys.version.split()[0],
+                "machine": platform.machine(),
+                "total_seconds": total,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.output}")
 
 

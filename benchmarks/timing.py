@@ -1,4 +1,5 @@
 """The one timer every benchmark script uses (run as scripts, they import it from this folder)."""
+
 import time
 
 import numpy as np

@@ -10,6 +10,7 @@ steady-state times, and XLA's temporary buffer size (activation memory), next to
 PyTorch forward and forward+backward on the same weights and images. The first row also checks
 that the logits agree. Prints a table and writes ``benchmarks/results/vit_<platform>.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_seconds
 from tqdm import tqdm
 
-from attnjax.models import vit
 from attnjax.convert.common import make_torchvision_importable
 from attnjax.convert.timm import vit_from_timm
-from timing import median_seconds
+from attnjax.models import vit
 
 
 def bench_attnjax(model, variables, images, labels, repeats: int) -> dict:
@@ -44,9 +45,13 @@ def bench_attnjax(model, variables, images, labels, repeats: int) -> dict:
         compiled = fn.lower(params).compile()
         result[f"{name}_compile_s"] = time.perf_counter() - start
         jax.block_until_ready(compiled(params))
-        result[f"{name}_ms"] = 1e3 * median_seconds(lambda: jax.block_until_ready(compiled(params)), repeats)
+        result[f"{name}_ms"] = 1e3 * median_seconds(
+            lambda: jax.block_until_ready(compiled(params)), repeats
+        )
         memory = compiled.memory_analysis()
-        result[f"{name}_temp_mib"] = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
+        result[f"{name}_temp_mib"] = (
+            memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
+        )
     result["logits"] = np.asarray(calls["forward"][0](variables["params"]))
     return result
 
@@ -76,7 +81,9 @@ def bench_timm(reference, images_nchw, labels, repeats: int, dtype) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--variant", default="Ti/16")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=8)
@@ -102,7 +109,9 @@ def main():
         num_classes=args.num_classes,
     ).eval()
     rng = np.random.default_rng(0)
-    images = rng.standard_normal((args.batch, args.image_size, args.image_size, 3)).astype(np.float32)
+    images = rng.standard_normal((args.batch, args.image_size, args.image_size, 3)).astype(
+        np.float32
+    )
     labels = rng.integers(0, args.num_classes, args.batch)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else None
 
@@ -110,12 +119,20 @@ def main():
     settings = [(scan, remat) for scan in (False, True) for remat in (False, True)]
     for scan, remat in tqdm(settings, desc="attnjax settings"):
         model, variables = vit_from_timm(reference, scan_layers=scan, remat=remat, dtype=dtype)
-        result = bench_attnjax(model, variables, jnp.asarray(images), jnp.asarray(labels), args.repeats)
+        result = bench_attnjax(
+            model, variables, jnp.asarray(images), jnp.asarray(labels), args.repeats
+        )
         rows.append({"impl": f"attnjax scan={scan} remat={remat}", **result})
     torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     images_nchw = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
-    rows.append({"impl": "timm (torch eager)", **bench_timm(reference, images_nchw, torch.from_numpy(labels),
-                                                            args.repeats, torch_dtype)})
+    rows.append(
+        {
+            "impl": "timm (torch eager)",
+            **bench_timm(
+                reference, images_nchw, torch.from_numpy(labels), args.repeats, torch_dtype
+            ),
+        }
+    )
 
     expected = rows[-1].pop("logits")
     for row in rows[:-1]:
@@ -123,18 +140,34 @@ def main():
         row["max_abs_logit_diff_vs_timm"] = float(np.abs(logits - expected).max())
 
     device = f"{jax.default_backend()} ({platform.processor() or platform.machine()})"
-    print(f"\nViT {args.variant} at {args.image_size}, batch {args.batch}, {args.dtype}, device {device}")
-    header = f"{'implementation':34s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'compile s (fwd/bwd)':>20s} " \
-             f"{'temp MiB (fwd/bwd)':>19s} {'|dlogits|':>10s}"
+    print(
+        f"\nViT {args.variant} at {args.image_size}, batch {args.batch}, {args.dtype}, device {device}"
+    )
+    header = (
+        f"{'implementation':34s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'compile s (fwd/bwd)':>20s} "
+        f"{'temp MiB (fwd/bwd)':>19s} {'|dlogits|':>10s}"
+    )
     print(header)
     for row in rows:
-        compile_s = (f"{row['forward_compile_s']:.1f} / {row['forward_backward_compile_s']:.1f}"
-                     if "forward_compile_s" in row else "-")
-        memory = (f"{row['forward_temp_mib']:.0f} / {row['forward_backward_temp_mib']:.0f}"
-                  if "forward_temp_mib" in row else "-")
-        diff = f"{row['max_abs_logit_diff_vs_timm']:.1e}" if "max_abs_logit_diff_vs_timm" in row else "-"
-        print(f"{row['impl']:34s} {row['forward_ms']:9.1f} {row['forward_backward_ms']:11.1f} "
-              f"{compile_s:>20s} {memory:>19s} {diff:>10s}")
+        compile_s = (
+            f"{row['forward_compile_s']:.1f} / {row['forward_backward_compile_s']:.1f}"
+            if "forward_compile_s" in row
+            else "-"
+        )
+        memory = (
+            f"{row['forward_temp_mib']:.0f} / {row['forward_backward_temp_mib']:.0f}"
+            if "forward_temp_mib" in row
+            else "-"
+        )
+        diff = (
+            f"{row['max_abs_logit_diff_vs_timm']:.1e}"
+            if "max_abs_logit_diff_vs_timm" in row
+            else "-"
+        )
+        print(
+            f"{row['impl']:34s} {row['forward_ms']:9.1f} {row['forward_backward_ms']:11.1f} "
+            f"{compile_s:>20s} {memory:>19s} {diff:>10s}"
+        )
 
     out_dir = pathlib.Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)

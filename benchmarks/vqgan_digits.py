@@ -9,6 +9,7 @@ usage and perplexity on the 360 test digits, training steps/s (wall clock: on a 
 it is inflated) and, given a trained digits ViT (``configs/vit_digits.py``), the accuracy of
 that classifier on the reconstructions. Results go to ``benchmarks/results/vqgan_digits.json``.
 """
+
 import argparse
 import importlib.util
 import json
@@ -22,11 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from attnjax.train import checkpoint
 from attnjax import data
-from attnjax.tasks import classification
-from attnjax.tasks import vqgan
-from attnjax.tasks import train_and_evaluate
+from attnjax.tasks import classification, train_and_evaluate, vqgan
+from attnjax.train import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NO_OPTIONS = dict(l2_normalize=False, usage_decay=0.0, ema_decay=0.0, lookup_dim=0)
@@ -36,7 +35,9 @@ VARIANTS = {
     "l2": dict(quantizer=dict(NO_OPTIONS, l2_normalize=True), reseed_threshold=0.0),
     "reseed": dict(quantizer=dict(NO_OPTIONS, usage_decay=0.95), reseed_threshold=0.03),
     "lookup8": dict(quantizer=dict(NO_OPTIONS, lookup_dim=8), reseed_threshold=0.0),
-    "l2_lookup8": dict(quantizer=dict(NO_OPTIONS, l2_normalize=True, lookup_dim=8), reseed_threshold=0.0),
+    "l2_lookup8": dict(
+        quantizer=dict(NO_OPTIONS, l2_normalize=True, lookup_dim=8), reseed_threshold=0.0
+    ),
     "ema": dict(quantizer=dict(NO_OPTIONS, ema_decay=0.95), reseed_threshold=0.0),
     "l2_reseed": dict(),  # the config's default
     "l2_reseed_gan": dict(loss=dict(disc_weight=0.8, disc_start_fraction=0.5)),
@@ -44,7 +45,9 @@ VARIANTS = {
 
 
 def load_config():
-    spec = importlib.util.spec_from_file_location("vqgan_digits", ROOT / "configs" / "vqgan_digits.py")
+    spec = importlib.util.spec_from_file_location(
+        "vqgan_digits", ROOT / "configs" / "vqgan_digits.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
@@ -71,19 +74,33 @@ def reconstruction_accuracy(workdir, vit_workdir):
     vit_config, predict = classification.make_predict(vit_workdir)
     run_config, variables = checkpoint.load(workdir, variables=True)
     model, variables = vqgan.inference_model(run_config, variables)
-    source = data.load_source(run_config.data.name, run_config.data.eval_split, run_config.data.data_dir)
+    source = data.load_source(
+        run_config.data.name, run_config.data.eval_split, run_config.data.data_dir
+    )
     size = run_config.data.image_size
-    images = np.stack([data.resize(np.asarray(source[i]["image"]), size) for i in range(len(source))])
+    images = np.stack(
+        [data.resize(np.asarray(source[i]["image"]), size) for i in range(len(source))]
+    )
     labels = np.array([int(source[i]["label"]) for i in range(len(source))])
-    x = (images.astype(np.float32) / 255.0 - np.asarray(run_config.data.mean)) / np.asarray(run_config.data.std)
+    x = (images.astype(np.float32) / 255.0 - np.asarray(run_config.data.mean)) / np.asarray(
+        run_config.data.std
+    )
     rec, _ = model.apply(variables, jnp.asarray(x))
-    pixels = np.clip(np.asarray(rec) * np.asarray(run_config.data.std) + np.asarray(run_config.data.mean), 0, 1)
+    pixels = np.clip(
+        np.asarray(rec) * np.asarray(run_config.data.std) + np.asarray(run_config.data.mean), 0, 1
+    )
     if vit_config.data.image_size not in (0, size):
-        raise ValueError(f"the ViT expects {vit_config.data.image_size}x{vit_config.data.image_size} images, "
-                         f"the VQGAN makes {size}x{size}")
+        raise ValueError(
+            f"the ViT expects {vit_config.data.image_size}x{vit_config.data.image_size} images, "
+            f"the VQGAN makes {size}x{size}"
+        )
     vit_in = (pixels - np.asarray(vit_config.data.mean)) / np.asarray(vit_config.data.std)
-    original = (images.astype(np.float32) / 255.0 - np.asarray(vit_config.data.mean)) / np.asarray(vit_config.data.std)
-    accuracy = lambda a: float(np.mean(np.argmax(np.asarray(predict(jnp.asarray(a))), -1) == labels))
+    original = (images.astype(np.float32) / 255.0 - np.asarray(vit_config.data.mean)) / np.asarray(
+        vit_config.data.std
+    )
+    accuracy = lambda a: float(
+        np.mean(np.argmax(np.asarray(predict(jnp.asarray(a))), -1) == labels)
+    )
     return accuracy(vit_in), accuracy(original)
 
 
@@ -101,11 +118,19 @@ def main():
         workdir = os.path.join(args.out, name)
         start = time.perf_counter()
         result = train_and_evaluate(config, workdir)
-        row = {"variant": name, "steps": args.steps, "wall_s": time.perf_counter() - start,
-               **{k: result[k] for k in ("eval/psnr", "eval/codebook_usage", "eval/perplexity", "steps_per_sec")}}
+        row = {
+            "variant": name,
+            "steps": args.steps,
+            "wall_s": time.perf_counter() - start,
+            **{
+                k: result[k]
+                for k in ("eval/psnr", "eval/codebook_usage", "eval/perplexity", "steps_per_sec")
+            },
+        }
         if args.vit_workdir:
-            row["vit_accuracy_on_reconstructions"], row["vit_accuracy_on_originals"] = reconstruction_accuracy(
-                workdir, args.vit_workdir)
+            row["vit_accuracy_on_reconstructions"], row["vit_accuracy_on_originals"] = (
+                reconstruction_accuracy(workdir, args.vit_workdir)
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     path = ROOT / "benchmarks" / "results" / "vqgan_digits.json"

@@ -2,6 +2,7 @@
 lists only what it changes. Field meanings: ``attnjax/tasks/__init__.py`` (the loop),
 ``attnjax/tasks/optim.py`` (the optimiser) and each task module's docstring.
 """
+
 import ml_collections
 
 
@@ -19,23 +20,23 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.b1 = 0.9
     config.b2 = 0.999
     config.grad_clip_norm = 0.0
-    config.grad_accum_steps = 1           # >1: one update every k steps (bigger effective batch)
+    config.grad_accum_steps = 1  # >1: one update every k steps (bigger effective batch)
 
-    config.batch_size = 64                # global, split over devices
-    config.eval_batch_size = 0            # 0: batch_size
+    config.batch_size = 64  # global, split over devices
+    config.eval_batch_size = 0  # 0: batch_size
     config.num_train_steps = 1000
-    config.parallel = "jit"               # or "pmap"
+    config.parallel = "jit"  # or "pmap"
     config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
-    config.distributed = False            # True on multi-host clusters
-    config.cpu_devices = 0                # CPU only: devices (cores) the batch splits over; 0: one per core
-    config.nonfinite = "stop"             # or "skip": drop a non-finite update and go on
-    config.max_skipped_steps = 10         # with "skip": stop after this many in a row
+    config.distributed = False  # True on multi-host clusters
+    config.cpu_devices = 0  # CPU only: devices (cores) the batch splits over; 0: one per core
+    config.nonfinite = "stop"  # or "skip": drop a non-finite update and go on
+    config.max_skipped_steps = 10  # with "skip": stop after this many in a row
 
     config.log_every = 100
     config.eval_every = 1000
     config.checkpoint_every = 1000
     config.max_to_keep = 2
-    config.best_metric = ""               # "" or an eval metric, e.g. "eval/accuracy"
+    config.best_metric = ""  # "" or an eval metric, e.g. "eval/accuracy"
     config.best_mode = "max"
     return config
 
@@ -44,14 +45,14 @@ def image_data(name: str, *, mean, std) -> ml_collections.ConfigDict:
     """A TFDS image classification dataset (``attnjax.data``) at native size, no augmentation."""
     data = ml_collections.ConfigDict()
     data.name = name
-    data.data_dir = ""                    # "" -> $TFDS_DATA_DIR or ~/tensorflow_datasets
+    data.data_dir = ""  # "" -> $TFDS_DATA_DIR or ~/tensorflow_datasets
     data.train_split = "train"
     data.eval_split = "test"
     data.image_key = "image"
     data.label_key = "label"
-    data.image_size = 0                   # 0: native size
-    data.crop_padding = 0                 # random shifts of up to this many pixels
-    data.flip = False                     # random left-right flips
+    data.image_size = 0  # 0: native size
+    data.crop_padding = 0  # random shifts of up to this many pixels
+    data.flip = False  # random left-right flips
     data.mean = tuple(mean)
     data.std = tuple(std)
     return data
@@ -61,13 +62,13 @@ def classification(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     """A ViT classifier trained with AdamW (DeiT's decay 0.05), clipping and label smoothing."""
     config = training("classification")
     config.data = data
-    config.init_from = ""                 # optional .npz of pretrained params
+    config.init_from = ""  # optional .npz of pretrained params
     config.model_name = "vit"
     config.model = ml_collections.ConfigDict()  # attnjax.models.vit.create_vit fields (+ variant)
     config.weight_decay = 0.05
     config.grad_clip_norm = 1.0
     config.label_smoothing = 0.1
-    config.ema_decay = 0.0                # >0: evaluate an EMA of the parameters
+    config.ema_decay = 0.0  # >0: evaluate an EMA of the parameters
     config.best_metric = "eval/accuracy"
     return config
 
@@ -78,19 +79,33 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.data = data
     config.model = ml_collections.ConfigDict()
     config.model.beta = 0.25
-    config.model.quantizer = ml_collections.ConfigDict(dict(
-        kind="vq",                        # or "fsq", "lfq", "simvq" (attnjax/quantizers.py)
-        rotation_trick=False,             # vq, simvq: rotate onto the code instead of copying
-        legacy=False, l2_normalize=False, lookup_dim=0, ema_decay=0.0, usage_decay=0.0,
-        fsq_levels=(),                    # fsq: () -> quantizers.FSQ_LEVELS[n_embed]
-        lfq_entropy_weight=0.1,           # lfq: MAGVIT-v2's entropy weight
-        lfq_diversity=1.0,                # lfq: weight of the batch entropy inside the penalty
-        lfq_temperature=0.01,             # lfq: of the code distribution the entropies are taken of
-        lfq_commitment_weight=0.25))      # lfq: its commitment weight (MAGVIT-v2's), not model.beta
-    config.reseed_threshold = 0.0         # >0: re-seed codes used below this share of uniform
-    config.loss = ml_collections.ConfigDict(dict(
-        disc_start=0, disc_weight=0.0,    # disc_weight 0: no discriminator
-        disc_factor=1.0, disc_loss="hinge", codebook_weight=1.0, perceptual_weight=0.0))
+    config.model.quantizer = ml_collections.ConfigDict(
+        dict(
+            kind="vq",  # or "fsq", "lfq", "simvq" (attnjax/quantizers.py)
+            rotation_trick=False,  # vq, simvq: rotate onto the code instead of copying
+            legacy=False,
+            l2_normalize=False,
+            lookup_dim=0,
+            ema_decay=0.0,
+            usage_decay=0.0,
+            fsq_levels=(),  # fsq: () -> quantizers.FSQ_LEVELS[n_embed]
+            lfq_entropy_weight=0.1,  # lfq: MAGVIT-v2's entropy weight
+            lfq_diversity=1.0,  # lfq: weight of the batch entropy inside the penalty
+            lfq_temperature=0.01,  # lfq: of the code distribution the entropies are taken of
+            lfq_commitment_weight=0.25,
+        )
+    )  # lfq: its commitment weight (MAGVIT-v2's), not model.beta
+    config.reseed_threshold = 0.0  # >0: re-seed codes used below this share of uniform
+    config.loss = ml_collections.ConfigDict(
+        dict(
+            disc_start=0,
+            disc_weight=0.0,  # disc_weight 0: no discriminator
+            disc_factor=1.0,
+            disc_loss="hinge",
+            codebook_weight=1.0,
+            perceptual_weight=0.0,
+        )
+    )
     config.discriminator = ml_collections.ConfigDict(dict(ndf=64, n_layers=3, norm="batch"))
     config.lpips = ml_collections.ConfigDict(dict(weights=""))  # converted LPIPS .npz; "": off
     config.disc_learning_rate = config.learning_rate
@@ -104,22 +119,29 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
     """A class-conditional GPT over a trained VQGAN's codes, minGPT's optimiser settings."""
     config = training("prior")
     config.vqgan_workdir = vqgan_workdir  # a trained `vqgan` run; its data settings are used
-    config.vqgan_step = None              # None: its latest checkpoint
-    config.codes_cache_dir = ""           # "" -> <vqgan_workdir>/codes
-    config.num_classes = 10               # 0: unconditional
-    config.class_dropout = 0.1            # hide the class of 10% of the sequences: also an
-                                          # unconditional model, for classifier-free guidance
+    config.vqgan_step = None  # None: its latest checkpoint
+    config.codes_cache_dir = ""  # "" -> <vqgan_workdir>/codes
+    config.num_classes = 10  # 0: unconditional
+    config.class_dropout = 0.1  # hide the class of 10% of the sequences: also an
+    # unconditional model, for classifier-free guidance
     config.data = ml_collections.ConfigDict(dict(train_shifts=0))
     config.model_name = "gpt"
-    config.model = ml_collections.ConfigDict(dict(
-        embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1))  # + n_layer, n_head, n_embd
-    config.sampling = ml_collections.ConfigDict(dict(
-        temperature=1.0, top_k=None, top_p=None,
-        guidance=1.5,                     # u + 1.5 (c - u): samples that look more like their class
-        per_class=8, png_scale=1))
-    config.weight_decay = 0.01            # minGPT / Net2NetTransformer
+    config.model = ml_collections.ConfigDict(
+        dict(embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
+    )  # + n_layer, n_head, n_embd
+    config.sampling = ml_collections.ConfigDict(
+        dict(
+            temperature=1.0,
+            top_k=None,
+            top_p=None,
+            guidance=1.5,  # u + 1.5 (c - u): samples that look more like their class
+            per_class=8,
+            png_scale=1,
+        )
+    )
+    config.weight_decay = 0.01  # minGPT / Net2NetTransformer
     config.b2 = 0.95
-    config.ema_decay = 0.0                # >0: evaluate an EMA of the parameters
+    config.ema_decay = 0.0  # >0: evaluate an EMA of the parameters
     config.grad_clip_norm = 1.0
     config.best_mode = "min"
     return config

@@ -8,6 +8,7 @@ tokens for 32x32 images at f=4). Sizes follow taming's smaller class-conditional
 (width 512, 8 heads) at a depth that suits 50k images; sampling uses taming's ``top_k=100``
 at temperature 1 (``log_images``' defaults).
 """
+
 import pathlib
 import sys
 
@@ -22,13 +23,13 @@ def get_config():
     config.model.n_head = 8
     config.model.n_embd = 512
 
-    config.sampling.top_k = 100           # taming's default in Net2NetTransformer.log_images
+    config.sampling.top_k = 100  # taming's default in Net2NetTransformer.log_images
     config.sampling.png_scale = 2
 
-    config.learning_rate = 4.5e-6 * 256   # taming: base_learning_rate x batch size
+    config.learning_rate = 4.5e-6 * 256  # taming: base_learning_rate x batch size
     config.warmup_steps = 2000
     config.batch_size = 256
-    config.eval_batch_size = 500          # 10k test images = 20 batches
+    config.eval_batch_size = 500  # 10k test images = 20 batches
     config.num_train_steps = 100_000
     config.eval_every = 5000
     config.checkpoint_every = 5000

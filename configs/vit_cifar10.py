@@ -11,6 +11,7 @@ peak learning rate 1e-3, label smoothing 0.1. That run also used AutoAugment, wh
 not implement (crop+flip only here), and Adam with L2 5e-5; we use AdamW with DeiT's 0.05 decay.
 Expect a GPU and ~1 hour; this recipe has not been run to completion.
 """
+
 import pathlib
 import sys
 
@@ -22,7 +23,7 @@ EPOCH = 50_000 // 128  # 390 steps
 
 def get_config():
     data = common.image_data("cifar10", mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616))
-    data.crop_padding = 4                 # standard CIFAR: pad 4, random 32x32 crop
+    data.crop_padding = 4  # standard CIFAR: pad 4, random 32x32 crop
     data.flip = True
     config = common.classification(data)  # 50000 train / 10000 test images
 

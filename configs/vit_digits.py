@@ -1,7 +1,8 @@
 """ViT on the embedded scikit-learn digits (the default run; >= 98% test accuracy in < 2 min on 2 CPU cores).
 
-    python train.py --config configs/vit_digits.py --workdir runs/digits
+python train.py --config configs/vit_digits.py --workdir runs/digits
 """
+
 import pathlib
 import sys
 
@@ -11,8 +12,10 @@ from configs import common  # noqa: E402
 
 def get_config():
     data = common.image_data("digits", mean=(0.5,), std=(0.5,))  # attnjax.data.Digits, no network
-    data.image_size = 16                  # 8x8 up-sampled: patch 4 -> 16 tokens; native 8x8/patch 2 stalls at ~97.7%
-    data.crop_padding = 1                 # +-1 pixel shifts at 16x16; no flips: a mirrored digit is another digit
+    data.image_size = (
+        16  # 8x8 up-sampled: patch 4 -> 16 tokens; native 8x8/patch 2 stalls at ~97.7%
+    )
+    data.crop_padding = 1  # +-1 pixel shifts at 16x16; no flips: a mirrored digit is another digit
     config = common.classification(data)  # 1437 train / 360 test images
 
     config.model.num_classes = 10
@@ -32,8 +35,8 @@ def get_config():
     config.learning_rate = 3e-3
     config.warmup_steps = 100
     config.batch_size = 64
-    config.eval_batch_size = 120          # 360 test images = 3 batches
-    config.num_train_steps = 1500         # ~67 epochs: 99.17% at seed 0, 99.44% at seeds 1 and 2
+    config.eval_batch_size = 120  # 360 test images = 3 batches
+    config.num_train_steps = 1500  # ~67 epochs: 99.17% at seed 0, 99.44% at seeds 1 and 2
     config.log_every = 50
     config.eval_every = 500
     config.checkpoint_every = 500

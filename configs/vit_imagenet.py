@@ -11,6 +11,7 @@ weight decay, global-norm clipping at 1, batch 512, cosine decay with a short wa
 learning rate from {0.003, 0.01, 0.03, 0.06} (0.03 here), higher resolution (384) than
 pre-training with the position table resized (bicubic) to the 24x24 grid.
 """
+
 import pathlib
 import sys
 
@@ -19,14 +20,16 @@ from configs import common  # noqa: E402
 
 
 def get_config():
-    data = common.image_data("imagenet2012", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # augreg's [-1, 1]
-    data.eval_split = "validation"        # 50000
-    data.image_size = 384                 # square resize; pre-training was 224
+    data = common.image_data(
+        "imagenet2012", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+    )  # augreg's [-1, 1]
+    data.eval_split = "validation"  # 50000
+    data.image_size = 384  # square resize; pre-training was 224
     data.flip = True
     config = common.classification(data)
 
     config.model.variant = "B/16"
-    config.model.num_classes = 1000       # a fresh head; everything else comes from init_from
+    config.model.num_classes = 1000  # a fresh head; everything else comes from init_from
     config.model.image_size = 384
     config.model.dropout_rate = 0.0
 
@@ -36,7 +39,7 @@ def get_config():
     config.learning_rate = 0.03
     config.warmup_steps = 500
     config.weight_decay = 0.0
-    config.grad_accum_steps = 1           # raise to fit batch 512 on fewer/smaller devices
+    config.grad_accum_steps = 1  # raise to fit batch 512 on fewer/smaller devices
     config.label_smoothing = 0.0
 
     config.batch_size = 512

@@ -4,6 +4,7 @@
 Needs MNIST prepared as array_record (``pip install attnjax[tfds-prepare]``;
 ``tfds build mnist --file_format=array_record``).
 """
+
 import pathlib
 import sys
 
@@ -15,11 +16,11 @@ EPOCH = 60_000 // 128  # 468 steps
 
 def get_config():
     data = common.image_data("mnist", mean=(0.1307,), std=(0.3081,))
-    data.crop_padding = 2                 # +-2 pixel shifts; no flips: mirrored digits are not digits
+    data.crop_padding = 2  # +-2 pixel shifts; no flips: mirrored digits are not digits
     config = common.classification(data)
 
     config.model.num_classes = 10
-    config.model.image_size = 28          # patch 4 -> 49 tokens
+    config.model.image_size = 28  # patch 4 -> 49 tokens
     config.model.in_channels = 1
     config.model.patch_size = 4
     config.model.width = 128

@@ -8,6 +8,7 @@ perceptual term is on when LPIPS weights are given (converted once from torchvis
 the ``lpips`` package's linear layers with ``python -m attnjax.convert.lpips``); without them it
 is off and the log says so.
 """
+
 import pathlib
 import sys
 
@@ -18,13 +19,26 @@ from configs import common  # noqa: E402
 
 
 def get_config():
-    data = common.image_data("cifar10", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # [-1, 1], as taming
+    data = common.image_data(
+        "cifar10", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+    )  # [-1, 1], as taming
     data.flip = True
-    config = common.vqgan(data)           # 50000 train / 10000 test images
+    config = common.vqgan(data)  # 50000 train / 10000 test images
 
-    config.model.ddconfig = ml_collections.ConfigDict(dict(
-        ch=64, ch_mult=(1, 2, 2), num_res_blocks=2, attn_resolutions=(8,), in_channels=3, out_ch=3,
-        resolution=32, z_channels=64, double_z=False, dropout=0.0))
+    config.model.ddconfig = ml_collections.ConfigDict(
+        dict(
+            ch=64,
+            ch_mult=(1, 2, 2),
+            num_res_blocks=2,
+            attn_resolutions=(8,),
+            in_channels=3,
+            out_ch=3,
+            resolution=32,
+            z_channels=64,
+            double_z=False,
+            dropout=0.0,
+        )
+    )
     config.model.n_embed = 512
     config.model.embed_dim = 64
     config.model.quantizer.update(l2_normalize=True, usage_decay=0.99)

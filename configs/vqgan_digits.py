@@ -16,6 +16,7 @@ default, ``config.cpu_devices=0``) a step takes 70-74 ms instead of 138, and the
 reaches 24.87 dB with all codes used in 101 s (``make demo``'s stage). The digits ViT
 (configs/vit_digits.py) classifies 99.4% of the reconstructions right.
 """
+
 import pathlib
 import sys
 
@@ -27,17 +28,30 @@ from configs import common  # noqa: E402
 
 def get_config():
     data = common.image_data("digits", mean=(0.5,), std=(0.5,))  # pixels in [-1, 1], as taming
-    data.image_size = 16                  # 8x8 up-sampled: f=4 gives a 4x4 token grid
-    data.crop_padding = 1                 # +-1 pixel shifts
-    config = common.vqgan(data)           # 1437 train / 360 test images
+    data.image_size = 16  # 8x8 up-sampled: f=4 gives a 4x4 token grid
+    data.crop_padding = 1  # +-1 pixel shifts
+    config = common.vqgan(data)  # 1437 train / 360 test images
 
-    config.model.ddconfig = ml_collections.ConfigDict(dict(
-        ch=32, ch_mult=(1, 1, 2), num_res_blocks=1, attn_resolutions=(), in_channels=1, out_ch=1,
-        resolution=16, z_channels=32, double_z=False, dropout=0.0))
+    config.model.ddconfig = ml_collections.ConfigDict(
+        dict(
+            ch=32,
+            ch_mult=(1, 1, 2),
+            num_res_blocks=1,
+            attn_resolutions=(),
+            in_channels=1,
+            out_ch=1,
+            resolution=16,
+            z_channels=32,
+            double_z=False,
+            dropout=0.0,
+        )
+    )
     config.model.n_embed = 128
     config.model.embed_dim = 32
-    config.model.quantizer.l2_normalize = True   # cosine codes: plain lookup uses ~30% of the codebook
-    config.model.quantizer.usage_decay = 0.95    # per-code usage average read by the re-seeding
+    config.model.quantizer.l2_normalize = (
+        True  # cosine codes: plain lookup uses ~30% of the codebook
+    )
+    config.model.quantizer.usage_decay = 0.95  # per-code usage average read by the re-seeding
     # kind=lfq, held-out PSNR at 800 steps: commitment 0.01 -> 24.0 / 24.1 dB (seeds 0 / 1), 0.05 -> 23.9,
     # MAGVIT-v2's 0.25 -> 23.5, 0 -> 23.0 with 23% of the codes; entropy weight 0.02 (at commitment
     # 0.25: 0.005 -> 23.2, MAGVIT-v2's 0.1 -> 22.9; at 0.01: 0.05 -> 23.8); entropy temperature 0.1
@@ -45,7 +59,7 @@ def get_config():
     config.model.quantizer.lfq_entropy_weight = 0.02
     config.model.quantizer.lfq_commitment_weight = 0.01
     config.model.quantizer.lfq_temperature = 0.1
-    config.reseed_threshold = 0.03        # re-seed codes below 3% of a uniform share
+    config.reseed_threshold = 0.03  # re-seed codes below 3% of a uniform share
     config.discriminator.update(ndf=32, n_layers=2)
 
     config.learning_rate = 3e-3
@@ -53,8 +67,8 @@ def get_config():
     config.warmup_steps = 50
     config.min_lr_ratio = 0.05
     config.batch_size = 32
-    config.eval_batch_size = 360          # the whole test split: eval usage is the split's
-    config.num_train_steps = 1000         # ~24.9 dB, all codes used
+    config.eval_batch_size = 360  # the whole test split: eval usage is the split's
+    config.num_train_steps = 1000  # ~24.9 dB, all codes used
     config.log_every = 50
     config.eval_every = 500
     config.checkpoint_every = 500

@@ -13,6 +13,7 @@ taming checkpoint converted with ``attnjax.convert.taming`` fine-tunes as is. LP
 converted once with ``python -m attnjax.convert.lpips``. Needs the TFDS ``imagenet2012`` dataset
 (manual download) and accelerators.
 """
+
 import pathlib
 import sys
 
@@ -25,23 +26,36 @@ BASE_LEARNING_RATE = 4.5e-6  # taming: per image of the global batch
 
 
 def get_config():
-    data = common.image_data("imagenet2012", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # [-1, 1], as taming
+    data = common.image_data(
+        "imagenet2012", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+    )  # [-1, 1], as taming
     data.eval_split = "validation"
     data.image_size = 256
     config = common.vqgan(data)
 
-    config.model.ddconfig = ml_collections.ConfigDict(dict(
-        ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, attn_resolutions=(16,), in_channels=3,
-        out_ch=3, resolution=256, z_channels=256, double_z=False, dropout=0.0))
+    config.model.ddconfig = ml_collections.ConfigDict(
+        dict(
+            ch=128,
+            ch_mult=(1, 1, 2, 2, 4),
+            num_res_blocks=2,
+            attn_resolutions=(16,),
+            in_channels=3,
+            out_ch=3,
+            resolution=256,
+            z_channels=256,
+            double_z=False,
+            dropout=0.0,
+        )
+    )
     config.model.n_embed = 1024
     config.model.embed_dim = 256
     config.model.quantizer.legacy = True
     config.loss.update(disc_start=250001, disc_weight=0.8, perceptual_weight=1.0)
 
-    config.batch_size = 12                # taming: 3 per GPU; scale with your devices
+    config.batch_size = 12  # taming: 3 per GPU; scale with your devices
     config.learning_rate = BASE_LEARNING_RATE * config.batch_size
     config.disc_learning_rate = BASE_LEARNING_RATE * config.batch_size
-    config.min_lr_ratio = 1.0             # taming keeps the rate constant
+    config.min_lr_ratio = 1.0  # taming keeps the rate constant
     config.eval_batch_size = 50
     config.num_train_steps = 500000
     config.eval_every = 10000

@@ -1,4 +1,5 @@
 """Shared test setup: CPU-only JAX, and torchvision made importable next to the CPU torch."""
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,8 +28,6 @@ def np_rng():
     return np.random.default_rng(0)
 
 
-
-
 @pytest.fixture(scope="session")
 def lpips_reference():
     """The ``lpips`` package's VGG LPIPS with a random trunk (no download) and its shipped linear layers."""
@@ -37,7 +36,3 @@ def lpips_reference():
 
     torch.manual_seed(0)
     return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
-
-
-
-

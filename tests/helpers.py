@@ -1,4 +1,5 @@
 """Helpers shared by the test modules (fixtures live in conftest.py)."""
+
 import contextlib
 import functools
 import importlib.util
@@ -14,11 +15,14 @@ from attnjax.train import parallel, sharding
 
 _RUNS: dict = {}
 
+
 def assert_close(actual, expected, rtol=1e-5, atol=1e-6, what="value"):
     """Relative-error check with a small absolute floor for entries near zero."""
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != expected {expected.shape}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {actual.shape} != expected {expected.shape}"
+    )
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
 
 
@@ -49,7 +53,9 @@ def random_timm_vit(seed=0, **kwargs):
     import torch
     from timm.models import vision_transformer as timm_vit
 
-    config = dict(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=5)
+    config = dict(
+        img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=3, mlp_ratio=2.0, num_classes=5
+    )
     config.update(kwargs)
     torch.manual_seed(seed)
     model = timm_vit.VisionTransformer(**config)
@@ -61,7 +67,11 @@ def random_timm_vit(seed=0, **kwargs):
 
 def random_images(batch, size, channels=3, seed=0):
     height, width = (size, size) if isinstance(size, int) else size
-    return np.random.default_rng(seed).standard_normal((batch, height, width, channels)).astype(np.float32)
+    return (
+        np.random.default_rng(seed)
+        .standard_normal((batch, height, width, channels))
+        .astype(np.float32)
+    )
 
 
 def timm_logits(model, images_nhwc):
@@ -81,9 +91,21 @@ def fsdp_config(data_dir, mesh, steps=3):
     config.model.update(width=32, depth=1, num_heads=2, mlp_dim=64, dropout_rate=0.0)
     # SGD: Adam divides each gradient by its own magnitude, so parameters whose true gradient is
     # zero (attention key biases) would move by rounding noise that differs between layouts.
-    config.update(batch_size=16, eval_batch_size=40, num_train_steps=steps, warmup_steps=1,
-                  log_every=1, eval_every=steps, checkpoint_every=2, max_to_keep=3,
-                  best_metric="", quiet=True, optimizer="sgd", learning_rate=0.3, mesh=mesh)
+    config.update(
+        batch_size=16,
+        eval_batch_size=40,
+        num_train_steps=steps,
+        warmup_steps=1,
+        log_every=1,
+        eval_every=steps,
+        checkpoint_every=2,
+        max_to_keep=3,
+        best_metric="",
+        quiet=True,
+        optimizer="sgd",
+        learning_rate=0.3,
+        mesh=mesh,
+    )
     return config
 
 
@@ -102,8 +124,9 @@ def trained_runs(digits_dir, root) -> dict:
     (``root`` of the first call holds them)."""
     if digits_dir in _RUNS:
         return _RUNS[digits_dir]
-    steps = dict(num_train_steps=4, log_every=2, eval_every=4, checkpoint_every=4, warmup_steps=1,
-                 quiet=True)
+    steps = dict(
+        num_train_steps=4, log_every=2, eval_every=4, checkpoint_every=4, warmup_steps=1, quiet=True
+    )
     vit_config = load_config("vit_digits")
     vit_config.data.update(data_dir=digits_dir, image_size=8)  # the VQGAN's size: it judges samples
     vit_config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, image_size=8)
@@ -159,25 +182,44 @@ def tiny_config(data_dir, parallel_mode="jit"):
     config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, dropout_rate=0.0)
     # SGD: Adam divides each gradient by its own magnitude, so parameters whose true gradient is
     # zero (attention key biases: softmax ignores them) would move by rounding noise / noise.
-    config.update(batch_size=16, eval_batch_size=40, num_train_steps=3, warmup_steps=1,
-                  log_every=1, eval_every=3, checkpoint_every=3, best_metric="",
-                  parallel=parallel_mode, quiet=True, optimizer="sgd", learning_rate=0.3)
+    config.update(
+        batch_size=16,
+        eval_batch_size=40,
+        num_train_steps=3,
+        warmup_steps=1,
+        log_every=1,
+        eval_every=3,
+        checkpoint_every=3,
+        best_metric="",
+        parallel=parallel_mode,
+        quiet=True,
+        optimizer="sgd",
+        learning_rate=0.3,
+    )
     return config
 
 
 def jit_steps(config):
     """The loop's first ``num_train_steps`` steps with ``DataParallel("jit")`` on ``config.mesh``
     (no eval/io) -> ``(state, dp)``, the state laid out on the mesh."""
-    dp = parallel.DataParallel("jit", config.batch_size, config.eval_batch_size,
-                               mesh=config.get("mesh"), rules=sharding.rules_for(config))
+    dp = parallel.DataParallel(
+        "jit",
+        config.batch_size,
+        config.eval_batch_size,
+        mesh=config.get("mesh"),
+        rules=sharding.rules_for(config),
+    )
     model = classification.create_model(config)
     ds = data.make_datasets(config)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    state = classification.create_train_state(init_rng, config, model,
-                                              next(data.make_iterator(ds.train)))
+    state = classification.create_train_state(
+        init_rng, config, model, next(data.make_iterator(ds.train))
+    )
     state = dp.place_state(state)
-    step = dp.compile_train_step(functools.partial(classification.train_step, config=config,
-                                                   model=model), dp.state_shardings(state))
+    step = dp.compile_train_step(
+        functools.partial(classification.train_step, config=config, model=model),
+        dp.state_shardings(state),
+    )
     batches = data.make_iterator(ds.train)
     for i in range(config.num_train_steps):
         state, _ = step(state, dp.shard_batch(next(batches)), jax.random.fold_in(train_rng, i))

@@ -1,4 +1,5 @@
 """demo.py's stage bookkeeping: a finished stage is reused, not retrained."""
+
 import os
 import sys
 
@@ -6,13 +7,17 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import demo  # noqa: E402
-
 from attnjax.train import checkpoint
 
 
 def _tiny_vit_config():
     config = demo.load_config("configs/vit_digits.py")
-    config.model.width, config.model.depth, config.model.num_heads, config.model.mlp_dim = 16, 1, 2, 32
+    config.model.width, config.model.depth, config.model.num_heads, config.model.mlp_dim = (
+        16,
+        1,
+        2,
+        32,
+    )
     config.num_train_steps = config.log_every = config.eval_every = config.checkpoint_every = 3
     config.eval_batch_size = 360
     config.quiet = True
@@ -33,10 +38,14 @@ def test_a_finished_stage_is_reused_not_retrained(tmp_path):
     previous = {"stages": {"vit": {"train_seconds": first["train_seconds"]}}}
     second = demo.run_stage("vit", config, workdir, previous=previous)
     assert second["reused"]
-    assert second["train_seconds"] == first["train_seconds"], "the reused stage reports its own run's time"
+    assert second["train_seconds"] == first["train_seconds"], (
+        "the reused stage reports its own run's time"
+    )
     assert second["metrics"]["eval/accuracy"] == first["metrics"]["eval/accuracy"]
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == checkpoint_files
-    assert open(os.path.join(workdir, "metrics.jsonl")).read() == metrics_before, "nothing retrained"
+    assert open(os.path.join(workdir, "metrics.jsonl")).read() == metrics_before, (
+        "nothing retrained"
+    )
 
 
 def test_bad_arguments_raise():
@@ -47,22 +56,26 @@ def test_bad_arguments_raise():
 def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(digits_dir, tmp_path):
     import jax
     import numpy as np
-    from PIL import Image
     from helpers import trained_runs
+    from PIL import Image
 
     from attnjax.inference import generate
     from attnjax.tasks import classification
 
     runs = trained_runs(digits_dir, str(tmp_path / "runs"))
-    vit_config, (_, predict) = checkpoint.read_config(runs["vit"]), classification.make_predict(runs["vit"])
+    vit_config, (_, predict) = (
+        checkpoint.read_config(runs["vit"]),
+        classification.make_predict(runs["vit"]),
+    )
     path = str(tmp_path / "completions.png")
     fraction = demo.complete_and_classify(runs["prior"], vit_config, predict, 12, path, shown=4)
     # 3 rows (originals, kept rows, completions) of 4 digits of 8x8 pixels, at scale 4.
     assert np.asarray(Image.open(path)).shape == (4 * (3 * 9 + 1), 4 * (4 * 9 + 1))
 
     run = generate.load_prior(runs["prior"])
-    completed = generate.complete_test_images(run, 12, 2, jax.random.key(run.config.seed + 2),
-                                            **generate.sampling_settings(run))
+    completed = generate.complete_test_images(
+        run, 12, 2, jax.random.key(run.config.seed + 2), **generate.sampling_settings(run)
+    )
     vit_inputs = (np.clip(completed["completions"], 0, 1) - 0.5) / 0.5
     predicted = np.argmax(np.asarray(predict(vit_inputs)), -1)
     assert fraction == np.mean(predicted == completed["labels"])

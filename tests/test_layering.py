@@ -17,6 +17,7 @@ above (the table below is checked against ``PACKAGES``):
 
 Only attnjax/convert/ may import PyTorch or its ecosystem.
 """
+
 import ast
 import os
 import pathlib
@@ -25,14 +26,25 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "attnjax"
 
 PACKAGES = (  # (package, layer, what it holds), bottom to top
-    ("attnjax.ops", 0, "pure functions: attention and its kernels, masks, positional encodings, "
-                       "convolution, losses"),
-    ("attnjax.models", 1, "Linen modules: ViT, Transformer, VQGAN, quantizers, discriminator, "
-                          "LPIPS, the GPT prior and its sampler"),
+    (
+        "attnjax.ops",
+        0,
+        "pure functions: attention and its kernels, masks, positional encodings, "
+        "convolution, losses",
+    ),
+    (
+        "attnjax.models",
+        1,
+        "Linen modules: ViT, Transformer, VQGAN, quantizers, discriminator, "
+        "LPIPS, the GPT prior and its sampler",
+    ),
     ("attnjax.data", 2, "TFDS + grain input pipelines, transforms, PNG pictures"),
     ("attnjax.convert", 2, "weights from and to PyTorch and Google files"),
-    ("attnjax.train", 3, "the loop and what it stands on: optimiser, checkpoints, reliability, "
-                         "parallelism, metrics"),
+    (
+        "attnjax.train",
+        3,
+        "the loop and what it stands on: optimiser, checkpoints, reliability, parallelism, metrics",
+    ),
     ("attnjax.tasks", 4, "what each task adds: classification, vqgan, prior"),
     ("attnjax.inference", 5, "trained runs used: sampling command, export"),
 )
@@ -70,13 +82,18 @@ def imports_of(source: str, module: str, is_package: bool):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
                 target = candidate if _is_module(candidate) else base
-                found.append((node.lineno, target, f"from {'.' * node.level}{node.module or ''} "
-                                                   f"import {alias.name}"))
+                found.append(
+                    (
+                        node.lineno,
+                        target,
+                        f"from {'.' * node.level}{node.module or ''} import {alias.name}",
+                    )
+                )
     return found
 
 
@@ -95,20 +112,26 @@ def violations(files: dict[str, tuple[str, bool]]) -> list[str]:
         module = module_name(ROOT / relative)
         own = layer_of(module)
         if own is None:
-            problems.append(f"{relative}: module {module} has no layer; add it to LAYERS in "
-                            f"tests/test_layering.py")
+            problems.append(
+                f"{relative}: module {module} has no layer; add it to LAYERS in "
+                f"tests/test_layering.py"
+            )
             continue
         for line, target, text in imports_of(source, module, is_package):
             top = target.split(".")[0]
             if top in TORCH_WORLD and not module.startswith(MAY_IMPORT_TORCH):
-                problems.append(f"{relative}:{line}: `{text}` imports {top}; only attnjax/convert/ "
-                                f"may import PyTorch and its packages")
+                problems.append(
+                    f"{relative}:{line}: `{text}` imports {top}; only attnjax/convert/ "
+                    f"may import PyTorch and its packages"
+                )
             if top != "attnjax" or target == module:
                 continue
             theirs = layer_of(target)
             if theirs is not None and theirs > own:
-                problems.append(f"{relative}:{line}: `{text}` imports {target} (layer {theirs}) "
-                                f"from {module} (layer {own}): imports must point down")
+                problems.append(
+                    f"{relative}:{line}: `{text}` imports {target} (layer {theirs}) "
+                    f"from {module} (layer {own}): imports must point down"
+                )
             graph.setdefault(module, set()).add(target)
     problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(graph)]
     return problems
@@ -121,7 +144,7 @@ def _cycles(graph: dict[str, set]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                found.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                found.append(path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -162,9 +185,13 @@ def test_the_checker_flags_upward_imports_cycles_and_torch():
         and "layer 3" in p
         for p in problems
     ), problems
-    assert any("attnjax/ops/attention.py:" in p and "`import torch`" in p for p in problems), problems
+    assert any("attnjax/ops/attention.py:" in p and "`import torch`" in p for p in problems), (
+        problems
+    )
     assert any(
-        p.startswith("import cycle:") and "attnjax.ops.attention" in p and "attnjax.ops.positional" in p
+        p.startswith("import cycle:")
+        and "attnjax.ops.attention" in p
+        and "attnjax.ops.positional" in p
         for p in problems
     ), problems
 
@@ -173,8 +200,11 @@ MAX_MODULE_LINES = 500  # a reader finds any model in one file and reads it in o
 
 
 def test_no_module_is_over_500_lines():
-    long = {str(path.relative_to(ROOT)): n for path in sorted(PACKAGE.rglob("*.py"))
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
 
 

@@ -4,6 +4,7 @@ Each notebook executes in a temporary copy of ``notebooks/`` (outputs and figure
 committed files stay untouched); the repository's other top-level entries are linked next to it
 so relative paths like ``../configs`` still resolve. The kernel is this very interpreter.
 """
+
 import json
 import pathlib
 import sys

@@ -1,6 +1,7 @@
 """attnjax runs without PyTorch: in a subprocess where ``import torch`` (and torchvision, timm,
 lpips, taming) fails, every module outside attnjax/convert/ imports, and a VQGAN training step
 with the LPIPS perceptual term runs from a converted weights file."""
+
 import json
 import os
 import pathlib
@@ -80,19 +81,35 @@ STEP = textwrap.dedent("""
 
 def test_modules_import_and_a_vqgan_step_with_lpips_runs_without_torch(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", BLOCKER + STEP, str(ROOT), str(tmp_path)], cwd=ROOT,
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        [sys.executable, "-c", BLOCKER + STEP, str(ROOT), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert not report["torch_loaded"]
-    assert {"attnjax.tasks.vqgan", "attnjax.train.loop", "attnjax.models.lpips", "attnjax.train.checkpoint",
-            "attnjax.tasks.classification", "attnjax.tasks.prior"} <= set(report["modules"])
+    assert {
+        "attnjax.tasks.vqgan",
+        "attnjax.train.loop",
+        "attnjax.models.lpips",
+        "attnjax.train.checkpoint",
+        "attnjax.tasks.classification",
+        "attnjax.tasks.prior",
+    } <= set(report["modules"])
     assert report["step"] == 1
-    assert abs(report["nll_loss"] - report["expected_nll_loss"]) <= 1e-4 * abs(report["expected_nll_loss"])
+    assert abs(report["nll_loss"] - report["expected_nll_loss"]) <= 1e-4 * abs(
+        report["expected_nll_loss"]
+    )
 
 
 def test_the_blocker_makes_import_torch_fail():
-    result = subprocess.run([sys.executable, "-c", BLOCKER + "import torch"], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKER + "import torch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "No module named 'torch'" in result.stderr

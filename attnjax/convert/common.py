@@ -18,6 +18,7 @@ converts a whole state dict with one and refuses keys no row converted, so a che
 the Flax model lacks fails loudly instead of loading half its weights. torch is imported only
 inside functions: it is a development extra, and the Google ``.npz`` reader needs none of it.
 """
+
 from __future__ import annotations
 
 import math
@@ -194,11 +195,14 @@ def apply_key_table(
                 else:
                     _place(variables["params"], flax_path, result)
             break
-    unread = sorted(k for k in state if k not in recording.read and not (skip and re.search(skip, k)))
+    unread = sorted(
+        k for k in state if k not in recording.read and not (skip and re.search(skip, k))
+    )
     if unread:
-        raise ValueError(f"{where}: keys not converted (parts the Flax model does not have): {unread[:8]}")
+        raise ValueError(
+            f"{where}: keys not converted (parts the Flax model does not have): {unread[:8]}"
+        )
     return variables
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,7 +291,9 @@ def torch_module_name(rows, flax_path: Sequence[str]) -> tuple[str, Callable] | 
         match = regex.fullmatch("/".join(flax_path))
         if match is not None:
             groups = [match.group(f"g{number}") for number in range(1, len(literals))]
-            name = literals[0] + "".join(group + literal for group, literal in zip(groups, literals[1:]))
+            name = literals[0] + "".join(
+                group + literal for group, literal in zip(groups, literals[1:])
+            )
             return name, convert
     return None
 
@@ -324,7 +330,9 @@ def export_with_key_table(
     state = {}
     for module_path, (name, convert) in modules.items():
         if convert not in to_torch:
-            raise ValueError(f"{where}: no inverse of the converter {getattr(convert, '__name__', convert)}")
+            raise ValueError(
+                f"{where}: no inverse of the converter {getattr(convert, '__name__', convert)}"
+            )
         subtree = params
         for part in module_path:
             subtree = subtree[part]
@@ -334,6 +342,7 @@ def export_with_key_table(
         else:
             state[name] = tensors
     return {key: np.ascontiguousarray(value, np.float32) for key, value in state.items()}
+
 
 def check_against_init(module, variables: dict, example, where: str) -> None:
     """Every converted leaf must exist in ``module.init`` with the same shape, and vice versa."""
@@ -345,7 +354,10 @@ def check_against_init(module, variables: dict, example, where: str) -> None:
         for path, leaf in jax.tree_util.tree_leaves_with_path(expected)
         if jax.tree_util.keystr(path[:1]) != "['vq_state']"
     }
-    got = {jax.tree_util.keystr(path): np.shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+    got = {
+        jax.tree_util.keystr(path): np.shape(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(variables)
+    }
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     wrong = sorted(k for k in set(got) & set(expected) if got[k] != tuple(expected[k]))
@@ -381,8 +393,8 @@ def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: 
     import jax
     import jax.numpy as jnp
 
-    from attnjax.ops.positional import resize_position_embedding
     from attnjax.models.vit import create_vit, stack_block_params
+    from attnjax.ops.positional import resize_position_embedding
 
     patch = as_pair(config["patch_size"])
     config = {**config, "image_size": (grid[0] * patch[0], grid[1] * patch[1]), **overrides}
@@ -393,7 +405,9 @@ def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: 
     if new_grid != tuple(grid) and "pos_embed" in params:
         table = params["pos_embed"]["pos_embedding"]
         prefix = table.shape[1] - grid[0] * grid[1]
-        table = resize_position_embedding(table, new_grid, num_prefix_tokens=prefix, old_grid_hw=grid)
+        table = resize_position_embedding(
+            table, new_grid, num_prefix_tokens=prefix, old_grid_hw=grid
+        )
         params = {**params, "pos_embed": {"pos_embedding": np.asarray(table)}}
     model = create_vit(**config)
     if model.scan_layers:

@@ -13,6 +13,7 @@ taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family / ``att
     python -m attnjax.convert.compare --model taming-gpt --checkpoint gpt.safetensors --n-head 8
     python -m attnjax.convert.compare --model torch:TransformerEncoder --plant layers.1.linear2
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,14 +112,19 @@ def _unchanged(array: np.ndarray, _: str) -> np.ndarray:
 def _pairing(flax_module) -> _Pairing:
     kind = type(flax_module).__name__
     if kind == "ViT":
-        names = _table_names(timm.TIMM_VIT_TABLE, structural=(timm.packed_qkv, timm.conv_patch_embedding))
+        names = _table_names(
+            timm.TIMM_VIT_TABLE, structural=(timm.packed_qkv, timm.conv_patch_embedding)
+        )
         return _Pairing(names, _nchw, _unchanged, packed_qkv=True)
     if kind == "VQGAN":
         return _Pairing(_table_names(taming.VQMODEL_TABLE), _nchw, _channels_last)
     if kind == "GPT":
         return _Pairing(_table_names(taming.GPT_TABLE), _as_tensor, _unchanged)
     if kind in torch_nn.TRANSFORMER_KINDS:
-        renames = {"self_attn.out": "self_attn.out_proj", "multihead_attn.out": "multihead_attn.out_proj"}
+        renames = {
+            "self_attn.out": "self_attn.out_proj",
+            "multihead_attn.out": "multihead_attn.out_proj",
+        }
 
         def layout(array: np.ndarray, name: str) -> np.ndarray:
             # inside the Flax module every layer is batch-first; only its own output follows the input
@@ -155,7 +161,9 @@ def _torch_activations(torch_model, inputs) -> dict[str, np.ndarray]:
 
         return hook
 
-    handles = [module.register_forward_hook(record(name)) for name, module in torch_model.named_modules()]
+    handles = [
+        module.register_forward_hook(record(name)) for name, module in torch_model.named_modules()
+    ]
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # fused kernels skip the submodules' hooks
     try:
@@ -172,7 +180,9 @@ def _flax_activations(flax_module, variables, inputs) -> dict[tuple, np.ndarray]
     """Every Flax submodule's ``__call__`` output by module path."""
     import jax
 
-    _, state = flax_module.apply(variables, *inputs, capture_intermediates=True, mutable=["intermediates"])
+    _, state = flax_module.apply(
+        variables, *inputs, capture_intermediates=True, mutable=["intermediates"]
+    )
     activations = {}
 
     def walk(tree, path):
@@ -197,7 +207,9 @@ def _add_packed_qkv(ours: dict[str, np.ndarray]) -> None:
             ours[f"{base}.qkv"] = np.concatenate(parts, axis=-1)
 
 
-def compare_layers(torch_model, flax_module, variables, inputs, tolerance: float = 1e-5) -> list[Row]:
+def compare_layers(
+    torch_model, flax_module, variables, inputs, tolerance: float = 1e-5
+) -> list[Row]:
     """Run both models on ``inputs`` and compare every layer the two have in common.
 
     Args:
@@ -246,12 +258,17 @@ def first_failure(rows: list[Row]) -> Row | None:
 def format_report(rows: list[Row], tolerance: float) -> str:
     width = max(len(row.layer) for row in rows)
     lines = [f"{'layer':<{width}}  {'max_abs':>10}  {'max_rel':>10}  ok"]
-    lines += [f"{r.layer:<{width}}  {r.max_abs:10.3e}  {r.max_rel:10.3e}  {'yes' if r.ok else 'NO'}" for r in rows]
+    lines += [
+        f"{r.layer:<{width}}  {r.max_abs:10.3e}  {r.max_rel:10.3e}  {'yes' if r.ok else 'NO'}"
+        for r in rows
+    ]
     failure = first_failure(rows)
     if failure is None:
         lines.append(f"all {len(rows)} layers within max_rel {tolerance:g}")
     else:
-        lines.append(f"first layer beyond max_rel {tolerance:g}: {failure.layer} (max_rel {failure.max_rel:.3e})")
+        lines.append(
+            f"first layer beyond max_rel {tolerance:g}: {failure.layer} (max_rel {failure.max_rel:.3e})"
+        )
     return "\n".join(lines)
 
 
@@ -259,8 +276,18 @@ def format_report(rows: list[Row], tolerance: float) -> str:
 # Command line: python -m attnjax.convert.compare --model KIND [--checkpoint PATH] [--plant NAME]
 # --------------------------------------------------------------------------------------------
 
-_SMALL_VQGAN = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), in_channels=3,
-                    out_ch=3, resolution=16, z_channels=16, double_z=False, dropout=0.0)
+_SMALL_VQGAN = dict(
+    ch=32,
+    ch_mult=(1, 2),
+    num_res_blocks=1,
+    attn_resolutions=(8,),
+    in_channels=3,
+    out_ch=3,
+    resolution=16,
+    z_channels=16,
+    double_z=False,
+    dropout=0.0,
+)
 
 
 def _taming_vq_parts(ddconfig, n_embed: int, embed_dim: int):
@@ -295,7 +322,7 @@ def _load_weights(torch_model, checkpoint) -> None:
     own = torch_model.state_dict()
     for prefix in ("model.", "transformer."):
         if not any(key in own for key in state) and any(key.startswith(prefix) for key in state):
-            state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     missing = sorted(set(own) - set(state))
     if missing:
         raise ValueError(
@@ -303,8 +330,6 @@ def _load_weights(torch_model, checkpoint) -> None:
             f"e.g. {missing[:4]}"
         )
     torch_model.load_state_dict({k: torch.from_numpy(np.array(state[k])) for k in own}, strict=True)
-
-
 
 
 def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int = 0):
@@ -317,7 +342,7 @@ def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int =
         common.make_torchvision_importable()
         import timm as timm_library
 
-        torch_model = timm_library.create_model(model[len("timm:"):], pretrained=False)
+        torch_model = timm_library.create_model(model[len("timm:") :], pretrained=False)
         _load_weights(torch_model, checkpoint)
         flax_module, variables = timm.vit_from_timm(torch_model)
         height, width = torch_model.patch_embed.img_size
@@ -328,7 +353,9 @@ def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int =
         if checkpoint:
             flax_module, variables = taming.gpt_from_taming(checkpoint, n_head=n_head)
             m = flax_module
-            torch_model = mingpt.GPT(m.vocab_size, m.block_size, n_layer=m.n_layer, n_head=n_head, n_embd=m.n_embd)
+            torch_model = mingpt.GPT(
+                m.vocab_size, m.block_size, n_layer=m.n_layer, n_head=n_head, n_embd=m.n_embd
+            )
             _load_weights(torch_model, checkpoint)
         else:
             torch_model = mingpt.GPT(64, 16, n_layer=2, n_head=n_head, n_embd=8 * n_head)
@@ -343,8 +370,8 @@ def build(model: str, checkpoint=None, n_head: int = 8, config=None, seed: int =
         )
         size, channels = params["ddconfig"]["resolution"], params["ddconfig"]["in_channels"]
         inputs = rng.uniform(-1, 1, (1, size, size, channels)).astype(np.float32)
-    elif model.startswith("torch:") and model[len("torch:"):] in torch_nn.TRANSFORMER_KINDS:
-        torch_model = _torch_transformer(model[len("torch:"):], n_head)
+    elif model.startswith("torch:") and model[len("torch:") :] in torch_nn.TRANSFORMER_KINDS:
+        torch_model = _torch_transformer(model[len("torch:") :], n_head)
         _load_weights(torch_model, checkpoint)
         flax_module, variables = torch_nn.transformer_from_torch(torch_model)
         inputs = rng.standard_normal((2, 10, 8 * n_head)).astype(np.float32)
@@ -378,7 +405,11 @@ def _torch_transformer(kind: str, n_head: int):
         return torch.nn.Transformer(num_encoder_layers=2, num_decoder_layers=2, **layer)
     if kind.startswith("TransformerEncoder"):
         single = torch.nn.TransformerEncoderLayer(**layer)
-        return single if kind.endswith("Layer") else torch.nn.TransformerEncoder(single, 2, enable_nested_tensor=False)
+        return (
+            single
+            if kind.endswith("Layer")
+            else torch.nn.TransformerEncoder(single, 2, enable_nested_tensor=False)
+        )
     single = torch.nn.TransformerDecoderLayer(**layer)
     return single if kind.endswith("Layer") else torch.nn.TransformerDecoder(single, 2)
 
@@ -388,24 +419,36 @@ def plant(torch_model, name: str, scale: float = 1e-2) -> None:
     import torch
 
     parameters = dict(torch_model.named_parameters())
-    key = next((k for k in (f"{name}.weight", name, f"{name}.in_proj_weight") if k in parameters), None)
+    key = next(
+        (k for k in (f"{name}.weight", name, f"{name}.in_proj_weight") if k in parameters), None
+    )
     if key is None:
-        raise ValueError(f"compare: --plant {name!r} names no parameter; e.g. {sorted(parameters)[:4]}")
+        raise ValueError(
+            f"compare: --plant {name!r} names no parameter; e.g. {sorted(parameters)[:4]}"
+        )
     parameters[key].data = parameters[key].data + scale * torch.randn_like(parameters[key])
 
 
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m attnjax.convert.compare", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="timm:NAME, taming-gpt, taming-vqgan, torch:KIND")
-    parser.add_argument("--checkpoint", help="state dict file (.safetensors or torch.save); default random weights")
+    parser = argparse.ArgumentParser(
+        prog="python -m attnjax.convert.compare", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--model", required=True, help="timm:NAME, taming-gpt, taming-vqgan, torch:KIND"
+    )
+    parser.add_argument(
+        "--checkpoint", help="state dict file (.safetensors or torch.save); default random weights"
+    )
     parser.add_argument("--config", help="taming YAML config (taming-vqgan)")
     parser.add_argument("--n-head", type=int, default=4, help="heads (taming-gpt, torch:KIND)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--plant", help="torch module whose weight is perturbed after conversion")
     args = parser.parse_args(argv)
-    torch_model, flax_module, variables, inputs = build(args.model, args.checkpoint, args.n_head, args.config)
+    torch_model, flax_module, variables, inputs = build(
+        args.model, args.checkpoint, args.n_head, args.config
+    )
     if args.plant:
         plant(torch_model, args.plant)
     rows = compare_layers(torch_model, flax_module, variables, inputs, args.tolerance)

@@ -3,6 +3,7 @@
 The published files of google-research/vision_transformer and big_vision store "/"-joined Flax
 paths (optionally under ``params/``, or ``opt/target/`` next to the optimizer's ``opt/state/``).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -33,10 +34,16 @@ from attnjax.convert.common import as_pair, finish_vit, square_grid
 # LayerNorm eps is Flax's 1e-6. Without "cls" the model pools by averaging ("gap").
 _NPZ_LAYOUTS = {
     "vision_transformer": dict(
-        norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_1", norm2="LayerNorm_2", mlp="MlpBlock_3"
+        norm1="LayerNorm_0",
+        attn="MultiHeadDotProductAttention_1",
+        norm2="LayerNorm_2",
+        mlp="MlpBlock_3",
     ),
     "big_vision": dict(
-        norm1="LayerNorm_0", attn="MultiHeadDotProductAttention_0", norm2="LayerNorm_1", mlp="MlpBlock_0"
+        norm1="LayerNorm_0",
+        attn="MultiHeadDotProductAttention_0",
+        norm2="LayerNorm_1",
+        mlp="MlpBlock_0",
     ),
 }
 
@@ -84,7 +91,9 @@ def load_google_npz(path, **overrides):
         raise FileNotFoundError(f"load_google_npz: no checkpoint file at {str(path)!r}")
     with np.load(path, allow_pickle=False) as archive:
         stored = set(archive.files)
-        prefix = next((p for p in ("", "params/", "opt/target/") if f"{p}embedding/kernel" in stored), None)
+        prefix = next(
+            (p for p in ("", "params/", "opt/target/") if f"{p}embedding/kernel" in stored), None
+        )
         if prefix is None:
             raise ValueError(
                 f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; not a Google ViT checkpoint"
@@ -127,7 +136,9 @@ def load_google_npz(path, **overrides):
         first_block = "Transformer/encoderblock/"
     else:
         block_prefix = f"{prefix}Transformer/encoderblock_"
-        depth = len({k[len(block_prefix):].split("/")[0] for k in arrays if k.startswith(block_prefix)})
+        depth = len(
+            {k[len(block_prefix) :].split("/")[0] for k in arrays if k.startswith(block_prefix)}
+        )
         for layer in range(depth):
             block = f"Transformer/encoderblock_{layer}"
             params[f"blocks_{layer}"] = _npz_block_to_flax(lambda key: get(f"{block}/{key}"), names)
@@ -166,7 +177,9 @@ def load_google_npz(path, **overrides):
     if unread:
         raise ValueError(f"load_google_npz: arrays not converted (unsupported parts): {unread[:8]}")
     prefix_tokens = int(class_token and not big_vision)
-    grid = square_grid(params["pos_embed"]["pos_embedding"].shape[1], prefix_tokens, "load_google_npz")
+    grid = square_grid(
+        params["pos_embed"]["pos_embedding"].shape[1], prefix_tokens, "load_google_npz"
+    )
     return finish_vit(config, overrides, params, grid, "load_google_npz")
 
 
@@ -212,7 +225,10 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
         out["cls"] = params["cls_token"]
     for name in ("pre_logits", "head"):
         if name in params:
-            out[f"{name}/kernel"], out[f"{name}/bias"] = params[name]["kernel"], params[name]["bias"]
+            out[f"{name}/kernel"], out[f"{name}/bias"] = (
+                params[name]["kernel"],
+                params[name]["bias"],
+            )
 
     def block_arrays(block: dict, base: str) -> dict:
         attn = f"{base}/{names['attn']}"
@@ -225,7 +241,9 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
             arrays[f"{attn}/{name}/kernel"] = kernel.reshape(*kernel.shape[:-1], heads, -1)
             arrays[f"{attn}/{name}/bias"] = bias.reshape(*bias.shape[:-1], heads, -1)
         kernel = block["attn"]["out"]["kernel"]
-        arrays[f"{attn}/out/kernel"] = kernel.reshape(*kernel.shape[:-2], heads, -1, kernel.shape[-1])
+        arrays[f"{attn}/out/kernel"] = kernel.reshape(
+            *kernel.shape[:-2], heads, -1, kernel.shape[-1]
+        )
         arrays[f"{attn}/out/bias"] = block["attn"]["out"]["bias"]
         for i, ours in enumerate(("fc1", "fc2")):
             arrays[f"{base}/{names['mlp']}/Dense_{i}/kernel"] = block["mlp"][ours]["kernel"]
@@ -237,8 +255,9 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
     else:
         per_layer = unstack_block_params(params) if model.scan_layers else params
         for layer in range(model.depth):
-            out.update(block_arrays(per_layer[f"blocks_{layer}"], f"Transformer/encoderblock_{layer}"))
+            out.update(
+                block_arrays(per_layer[f"blocks_{layer}"], f"Transformer/encoderblock_{layer}")
+            )
     path = pathlib.Path(path)
     np.savez(path, **out)
     return path
-

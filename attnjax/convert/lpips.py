@@ -7,6 +7,7 @@ torch::
 The VGG16 file may be a ``.safetensors``; the linear-layer file may be left out when the first
 file already holds the ``lin*`` weights (a whole ``lpips.LPIPS(net="vgg")`` state dict).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,9 @@ def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
         )
     for k in range(len(lpips.CHANNELS)):
         if f"lin{k}" not in params:
-            raise KeyError(f"lpips_from_torch: no 'lin{k}.model.1.weight' (or model.0) in the linear weights")
+            raise KeyError(
+                f"lpips_from_torch: no 'lin{k}.model.1.weight' (or model.0) in the linear weights"
+            )
     return lpips.LPIPS(), {"params": params}
 
 
@@ -61,7 +64,9 @@ def main(argv=None) -> int:
         description="Convert VGG16 + LPIPS linear weights into the .npz that attnjax.models.lpips.load_variables reads.",
     )
     parser.add_argument("vgg", help="torchvision vgg16 weights (.pth, .pt or .safetensors)")
-    parser.add_argument("linear", nargs="?", help="lpips weights/v0.1/vgg.pth (omit if VGG holds lin* keys)")
+    parser.add_argument(
+        "linear", nargs="?", help="lpips weights/v0.1/vgg.pth (omit if VGG holds lin* keys)"
+    )
     parser.add_argument("out", help="the converted weights to write (.npz)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     args = parser.parse_args(argv)
@@ -75,7 +80,14 @@ def main(argv=None) -> int:
             if source is not None and not pathlib.Path(source).is_file():
                 raise ValueError(f"no weights file at {source!r}")
         _, variables = lpips_from_torch(args.vgg, args.linear)
-    except (ValueError, KeyError, TypeError, OSError, RuntimeError, pickle.UnpicklingError) as error:
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+        RuntimeError,
+        pickle.UnpicklingError,
+    ) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"python -m attnjax.convert.lpips: {message}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ The exports read the import tables backwards (``VQMODEL_TABLE``, ``GPT_TABLE``) 
 ``mingpt.GPT`` (plus each block's causal-mask buffer ``attn.mask`` minGPT keeps in its state
 dict). They need no torch: tensors are numpy float32 and safetensors writes them.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,13 +15,32 @@ import pathlib
 
 import numpy as np
 
+from attnjax.convert.common import (
+    TO_TORCH,
+    apply_key_table,
+    batch_norm,
+    check_against_init,
+    conv2d,
+    conv_to_conv2d,
+    embedding,
+    export_with_key_table,
+    group_norm,
+    layer_norm,
+    linear,
+    load_state_dict,
+    norm_to_torch,
+    parameter,
+    take,
+)
 from attnjax.models import discriminator
-from attnjax.convert.common import TO_TORCH, apply_key_table, batch_norm, check_against_init, conv2d, conv_to_conv2d, embedding, export_with_key_table, group_norm, layer_norm, linear, load_state_dict, norm_to_torch, parameter, take
 
 
 def actnorm(state, prefix: str) -> dict:
     """taming ``ActNorm`` at ``prefix``: ``loc``, ``scale`` [1, C, 1, 1] -> ``loc``, ``scale`` [C]."""
-    return {"loc": take(state, prefix, "loc").reshape(-1), "scale": take(state, prefix, "scale").reshape(-1)}
+    return {
+        "loc": take(state, prefix, "loc").reshape(-1),
+        "scale": take(state, prefix, "scale").reshape(-1),
+    }
 
 
 def taming_layer(state, prefix: str):
@@ -37,8 +57,16 @@ def taming_layer(state, prefix: str):
 
 # taming's nested ModuleLists (``down.1.block.0``) become flat submodule names (``down_1_block_0``).
 VQMODEL_TABLE = (
-    (r"(encoder|decoder)\.(down|up)\.(\d+)\.(block|attn)\.(\d+)\.(\w+)", r"\1/\2_\3_\4_\5/\6", taming_layer),
-    (r"(encoder|decoder)\.(down|up)\.(\d+)\.(downsample|upsample)\.conv", r"\1/\2_\3_\4/conv", conv2d),
+    (
+        r"(encoder|decoder)\.(down|up)\.(\d+)\.(block|attn)\.(\d+)\.(\w+)",
+        r"\1/\2_\3_\4_\5/\6",
+        taming_layer,
+    ),
+    (
+        r"(encoder|decoder)\.(down|up)\.(\d+)\.(downsample|upsample)\.conv",
+        r"\1/\2_\3_\4/conv",
+        conv2d,
+    ),
     (r"(encoder|decoder)\.mid\.(block_1|attn_1|block_2)\.(\w+)", r"\1/mid_\2/\3", taming_layer),
     (r"(encoder|decoder)\.(conv_in|norm_out|conv_out)", r"\1/\2", taming_layer),
     (r"(quant_conv|post_quant_conv)", r"\1", conv2d),
@@ -66,7 +94,7 @@ GPT_TABLE = (
 
 def _under(state: dict, prefix: str) -> dict:
     """The keys that start with ``prefix``, with it removed."""
-    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
 
 
 def vqgan_from_taming(state_dict, ddconfig, n_embed: int, embed_dim: int, **vqgan_kwargs):
@@ -89,12 +117,14 @@ def vqgan_from_taming(state_dict, ddconfig, n_embed: int, embed_dim: int, **vqga
             f"z_channels channels), got {ddconfig.get('double_z', 'unset (taming default True)')}"
         )
     state = load_state_dict(state_dict)
-    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    state = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state.items()}
     state = {k: v for k, v in state.items() if not k.startswith("loss.")}
     vqgan_kwargs.setdefault("quantizer", {"legacy": True})
     module = vqgan.create_vqgan(ddconfig, n_embed, embed_dim, **vqgan_kwargs)
     variables = apply_key_table(state, VQMODEL_TABLE, "vqgan_from_taming", skip=_BOOKKEEPING)
-    example = jnp.zeros((1, ddconfig["resolution"], ddconfig["resolution"], ddconfig["in_channels"]))
+    example = jnp.zeros(
+        (1, ddconfig["resolution"], ddconfig["resolution"], ddconfig["in_channels"])
+    )
     check_against_init(module, variables, example, "vqgan_from_taming")
     return module, variables
 
@@ -105,13 +135,18 @@ def nlayer_discriminator_from_taming(state_dict, prefix: str = ""):
     (BatchNorm / ActNorm) and input channels are read off the tensors."""
     import jax.numpy as jnp
 
-
     if prefix and not prefix.endswith("."):
         prefix += "."
     state = _under(load_state_dict(state_dict), prefix)
-    convs = [k for k, v in state.items() if k.startswith("main.") and k.endswith(".weight") and np.ndim(v) == 4]
+    convs = [
+        k
+        for k, v in state.items()
+        if k.startswith("main.") and k.endswith(".weight") and np.ndim(v) == 4
+    ]
     if not convs:
-        raise KeyError(f"nlayer_discriminator_from_taming: no '{prefix}main.N.weight' conv keys found")
+        raise KeyError(
+            f"nlayer_discriminator_from_taming: no '{prefix}main.N.weight' conv keys found"
+        )
     first = state["main.0.weight"]
     if any(k.endswith(".running_mean") for k in state):
         norm = "batch"
@@ -119,7 +154,9 @@ def nlayer_discriminator_from_taming(state_dict, prefix: str = ""):
         norm = "actnorm"
     else:
         norm = "none"
-    module = discriminator.NLayerDiscriminator(ndf=first.shape[0], n_layers=len(convs) - 2, norm=norm)
+    module = discriminator.NLayerDiscriminator(
+        ndf=first.shape[0], n_layers=len(convs) - 2, norm=norm
+    )
     variables = apply_key_table(
         state, NLAYER_DISCRIMINATOR_TABLE, "nlayer_discriminator_from_taming", skip=_BOOKKEEPING
     )
@@ -210,4 +247,6 @@ def save_vqgan(variables, path) -> pathlib.Path:
 def save_gpt(model, variables, path, prefix: str = "") -> pathlib.Path:
     """attnjax GPT -> a taming ``mingpt.GPT`` ``.safetensors`` file; ``prefix="transformer."``
     gives the keys of a ``Net2NetTransformer``."""
-    return save_safetensors({prefix + k: v for k, v in gpt_state_dict(model, variables).items()}, path)
+    return save_safetensors(
+        {prefix + k: v for k, v in gpt_state_dict(model, variables).items()}, path
+    )

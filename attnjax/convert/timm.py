@@ -14,6 +14,7 @@ names every mapping in both directions:
     other Dense, LayerNorm    their timm names                  Linear, LayerNorm
     ========================  ================================  ==============================
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,20 @@ import math
 
 import numpy as np
 
-from attnjax.convert.common import TO_TORCH, apply_key_table, as_pair, dense_to_linear, export_with_key_table, finish_vit, layer_norm, linear, load_state_dict, parameter, square_grid, take
+from attnjax.convert.common import (
+    TO_TORCH,
+    apply_key_table,
+    as_pair,
+    dense_to_linear,
+    export_with_key_table,
+    finish_vit,
+    layer_norm,
+    linear,
+    load_state_dict,
+    parameter,
+    square_grid,
+    take,
+)
 
 
 def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -> dict:
@@ -35,7 +49,9 @@ def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -
         )
     width = packed.shape[1]
     if packed.shape != (3 * width, width):
-        raise ValueError(f"{prefix}.{weight}: expected shape [3 * {width}, {width}], got {packed.shape}")
+        raise ValueError(
+            f"{prefix}.{weight}: expected shape [3 * {width}, {width}], got {packed.shape}"
+        )
     rows = [slice(i * width, (i + 1) * width) for i in range(3)]
     return {
         name: {"kernel": packed[part].T, "bias": packed_bias[part]}
@@ -102,7 +118,9 @@ def _timm_module_config(model) -> dict:
         )
     act = model.blocks[0].mlp.act
     if type(act).__name__ != "GELU" or getattr(act, "approximate", "none") != "none":
-        raise ValueError(f"vit_from_timm: MLP activation {act} unsupported; expected exact nn.GELU()")
+        raise ValueError(
+            f"vit_from_timm: MLP activation {act} unsupported; expected exact nn.GELU()"
+        )
     norm = model.norm if hasattr(model.norm, "eps") else model.fc_norm
     return dict(
         num_heads=model.blocks[0].attn.num_heads,
@@ -168,7 +186,11 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
 def torch_reference_vit_table(in_channels: int):
     """Key table of the reference PyTorch ViT for images of ``in_channels`` channels."""
     return (
-        (r"patch_embed", "patch_embed", functools.partial(linear_patch_embedding, in_channels=in_channels)),
+        (
+            r"patch_embed",
+            "patch_embed",
+            functools.partial(linear_patch_embedding, in_channels=in_channels),
+        ),
         (r"cls_token", "cls_token", parameter),
         (r"pos_embed", "pos_embed/pos_embedding", parameter),
         (r"transformer_blocks\.(\d+)\.norm1", r"blocks_\1/norm1", layer_norm),
@@ -208,7 +230,9 @@ def vit_from_torch_reference(
     if num_heads is not None:
         config["num_heads"] = num_heads
     if "num_heads" not in config:
-        raise ValueError(f"{where}: a state dict does not record the number of heads; pass num_heads=")
+        raise ValueError(
+            f"{where}: a state dict does not record the number of heads; pass num_heads="
+        )
     state = load_state_dict(model_or_state_dict)
     table = torch_reference_vit_table(in_channels)
     params = apply_key_table(state, table, f"{where} (not the reference layout?)")["params"]
@@ -235,13 +259,19 @@ def patch_embedding_to_conv(params: dict, patch_size: tuple, in_channels: int) -
     """``patch_embed`` Dense on ``(row, col, C)``-flattened patches -> Conv2d ``[width, C, ph, pw]``."""
     kernel = np.asarray(params["kernel"], np.float32)
     image_kernel = kernel.reshape(*patch_size, in_channels, kernel.shape[1])
-    return {"weight": image_kernel.transpose(3, 2, 0, 1), "bias": np.asarray(params["bias"], np.float32)}
+    return {
+        "weight": image_kernel.transpose(3, 2, 0, 1),
+        "bias": np.asarray(params["bias"], np.float32),
+    }
 
 
 def _check_exportable(model) -> None:
     unsupported = {
         "posemb": (model.posemb != "learn", "timm's learned pos_embed needs posemb='learn'"),
-        "representation_size": (model.representation_size is not None, "timm has no pre_logits layer"),
+        "representation_size": (
+            model.representation_size is not None,
+            "timm has no pre_logits layer",
+        ),
     }
     for field, (bad, why) in unsupported.items():
         if bad:
@@ -276,7 +306,9 @@ def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
         **TO_TORCH,
         packed_qkv: qkv_to_packed,
         conv_patch_embedding: functools.partial(
-            patch_embedding_to_conv, patch_size=as_pair(model.patch_size), in_channels=model.in_channels
+            patch_embedding_to_conv,
+            patch_size=as_pair(model.patch_size),
+            in_channels=model.in_channels,
         ),
     }
     return export_with_key_table(params, TIMM_VIT_TABLE, to_torch, "vit_state_dict")
@@ -313,5 +345,7 @@ def vit_to_timm(model, variables):
         drop_path_rate=model.drop_path_rate,
         norm_layer=functools.partial(torch.nn.LayerNorm, eps=model.layer_norm_eps),
     )
-    timm_model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True)
+    timm_model.load_state_dict(
+        {key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True
+    )
     return timm_model.eval()

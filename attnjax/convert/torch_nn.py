@@ -16,6 +16,7 @@ Transformer keys under a layer ``layers.N.`` -> Flax paths under ``layers_N``:
 A ``TransformerEncoder``/``TransformerDecoder`` puts its layers under ``layers.N`` and its final
 norm under ``norm``; ``nn.Transformer`` nests those under ``encoder.`` and ``decoder.``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -136,11 +137,17 @@ TRANSFORMER_KINDS = (
 
 
 def _layer_params(state: StateDict, prefix: str, table) -> dict:
-    return {flax_name: convert(state, f"{prefix}{torch_name}") for torch_name, flax_name, convert in table}
+    return {
+        flax_name: convert(state, f"{prefix}{torch_name}")
+        for torch_name, flax_name, convert in table
+    }
 
 
 def _stack_params(state: StateDict, prefix: str, num_layers: int, table, final_norm: bool) -> dict:
-    params = {f"layers_{i}": _layer_params(state, f"{prefix}layers.{i}.", table) for i in range(num_layers)}
+    params = {
+        f"layers_{i}": _layer_params(state, f"{prefix}layers.{i}.", table)
+        for i in range(num_layers)
+    }
     if final_norm:
         params["norm"] = _layer_norm(state, f"{prefix}norm")
     return params
@@ -173,10 +180,14 @@ def _stack_settings(stack, where: str) -> tuple[dict, int, bool]:
     """(layer settings, number of layers, has a final norm) of a TransformerEncoder/Decoder."""
     settings = [_layer_settings(layer) for layer in stack.layers]
     if any(s != settings[0] for s in settings[1:]):
-        raise ValueError(f"transformer_from_torch: the layers of {where} differ in hyper-parameters")
+        raise ValueError(
+            f"transformer_from_torch: the layers of {where} differ in hyper-parameters"
+        )
     norm = stack.norm
-    if norm is not None and (float(norm.eps) != settings[0]["layer_norm_eps"]
-                             or (norm.bias is not None) != settings[0]["bias"]):
+    if norm is not None and (
+        float(norm.eps) != settings[0]["layer_norm_eps"]
+        or (norm.bias is not None) != settings[0]["bias"]
+    ):
         raise ValueError(
             f"transformer_from_torch: {where}.norm (eps={norm.eps}, bias={norm.bias is not None}) "
             f"differs from its layers' LayerNorms (eps={settings[0]['layer_norm_eps']}, "
@@ -213,7 +224,9 @@ def transformer_from_torch(module):
         batch_first = module.layers[0].self_attn.batch_first
     else:
         settings, num_encoder_layers, encoder_norm = _stack_settings(module.encoder, "encoder")
-        decoder_settings, num_decoder_layers, decoder_norm = _stack_settings(module.decoder, "decoder")
+        decoder_settings, num_decoder_layers, decoder_norm = _stack_settings(
+            module.decoder, "decoder"
+        )
         if decoder_settings != settings or not (encoder_norm and decoder_norm):
             raise ValueError(
                 "transformer_from_torch: a Transformer with a custom encoder/decoder whose layers "
@@ -221,10 +234,16 @@ def transformer_from_torch(module):
                 "module.encoder and module.decoder separately"
             )
         params = {
-            "encoder": _stack_params(state, "encoder.", num_encoder_layers, ENCODER_LAYER_TABLE, True),
-            "decoder": _stack_params(state, "decoder.", num_decoder_layers, DECODER_LAYER_TABLE, True),
+            "encoder": _stack_params(
+                state, "encoder.", num_encoder_layers, ENCODER_LAYER_TABLE, True
+            ),
+            "decoder": _stack_params(
+                state, "decoder.", num_decoder_layers, DECODER_LAYER_TABLE, True
+            ),
         }
-        settings.update(num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers)
+        settings.update(
+            num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers
+        )
         batch_first = module.batch_first
     flax_module = getattr(transformer, kind)(**settings, batch_first=bool(batch_first))
     return flax_module, {"params": params}

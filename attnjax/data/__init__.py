@@ -3,6 +3,7 @@
 
 The pipeline's public functions are re-exported here, so a caller writes ``data.make_datasets``.
 """
+
 from attnjax.data.digits import DIGITS_TEST_SIZE, EMBEDDED_BUILDERS, Digits
 from attnjax.data.pipeline import (
     IN_MEMORY_BYTES,

@@ -1,5 +1,6 @@
 """The embedded dataset: scikit-learn's 8x8 handwritten digits as a TFDS builder, prepared without
 network or TensorFlow."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,10 +26,12 @@ class Digits(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(
             builder=self,
             description="scikit-learn's 8x8 handwritten digits.",
-            features=tfds.features.FeaturesDict({
-                "image": tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
-                "label": tfds.features.ClassLabel(num_classes=10),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
+                    "label": tfds.features.ClassLabel(num_classes=10),
+                }
+            ),
             supervised_keys=("image", "label"),
         )
 
@@ -40,7 +43,8 @@ class Digits(tfds.core.GeneratorBasedBuilder):
         images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
         index = np.arange(len(images))
         train_idx, test_idx = train_test_split(
-            index, test_size=DIGITS_TEST_SIZE, stratify=digits.target, random_state=0)
+            index, test_size=DIGITS_TEST_SIZE, stratify=digits.target, random_state=0
+        )
         return {
             "train": self._generate_examples(images, digits.target, np.sort(train_idx)),
             "test": self._generate_examples(images, digits.target, np.sort(test_idx)),

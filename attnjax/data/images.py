@@ -5,6 +5,7 @@ a written picture is a uint8 array ``[height, width, channels]``. Nothing here r
 callers decode or sample first and pass the pixels. matplotlib and PIL are imported by the
 functions that need them, so importing this module costs neither.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ def image_grid(images, nrow: int) -> np.ndarray:
     grid = np.ones((rows * (height + 1) + 1, nrow * (width + 1) + 1, channels), np.float32)
     for i, image in enumerate(images):
         top, left = (1 + (height + 1) * (i // nrow), 1 + (width + 1) * (i % nrow))
-        grid[top:top + height, left:left + width] = image
+        grid[top : top + height, left : left + width] = image
     return np.round(grid * 255.0).astype(np.uint8)
 
 
@@ -50,7 +51,11 @@ def save_png(image, path, scale: int = 1) -> str:
     from PIL import Image
 
     image = np.asarray(image)
-    if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[-1] not in (1, 3)):
+    if (
+        image.dtype != np.uint8
+        or image.ndim not in (2, 3)
+        or (image.ndim == 3 and image.shape[-1] not in (1, 3))
+    ):
         raise ValueError(
             f"save_png: image must be uint8 [height, width] or [height, width, 1 or 3], got "
             f"{image.dtype} of shape {image.shape} (for {path})"
@@ -110,7 +115,9 @@ def plot_attention_maps(images, heatmaps, path, *, titles: Sequence[str] | None 
         cmap = "gray" if image.ndim == 2 else None
         axes[0, i].imshow(image, cmap=cmap, vmin=0.0, vmax=1.0, extent=extent)
         axes[1, i].imshow(image, cmap=cmap, vmin=0.0, vmax=1.0, extent=extent)
-        axes[1, i].imshow(heatmaps[i], cmap="inferno", alpha=alpha, extent=extent, interpolation="bilinear")
+        axes[1, i].imshow(
+            heatmaps[i], cmap="inferno", alpha=alpha, extent=extent, interpolation="bilinear"
+        )
         if titles is not None:
             axes[0, i].set_title(str(titles[i]), fontsize=9)
         for ax in axes[:, i]:
@@ -138,7 +145,9 @@ def plot_curves(records: list[dict], path) -> str | None:
         for key, value in record.items():
             if "/" in key:
                 split, name = key.split("/", 1)
-                series.setdefault(name, {}).setdefault(split, {})[int(record["step"])] = float(value)
+                series.setdefault(name, {}).setdefault(split, {})[int(record["step"])] = float(
+                    value
+                )
     if not series:
         return None
     plt = _pyplot()
@@ -149,13 +158,18 @@ def plot_curves(records: list[dict], path) -> str | None:
     for ax, name in zip(axes.flat, names):
         for split, points in sorted(series[name].items()):
             steps = sorted(points)
-            ax.plot(steps, [points[s] for s in steps], marker="o" if split == "eval" else None,
-                    markersize=3, label=split)
+            ax.plot(
+                steps,
+                [points[s] for s in steps],
+                marker="o" if split == "eval" else None,
+                markersize=3,
+                label=split,
+            )
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.legend()
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

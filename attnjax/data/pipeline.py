@@ -21,6 +21,7 @@ stream is a pure function of the seed and the iterator's position; the position
 Preparing a TFDS dataset that is not on disk yet needs TensorFlow
 (``pip install attnjax[tfds-prepare]``); the embedded digits never do.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,7 @@ import tensorflow_datasets as tfds
 
 from attnjax.data.digits import EMBEDDED_BUILDERS
 from attnjax.data.transforms import random_crop_flip, resize
+
 
 class Datasets(NamedTuple):
     """What a task's input pipeline hands the training loop.
@@ -58,11 +60,15 @@ def make_iterator(dataset: grain.MapDataset, data_config=None):
     500 elements read ahead) and ``data_config.worker_count`` (default 0; > 0 moves the
     pipeline into that many worker processes, which need absl flags parsed first).
     """
-    get = (lambda key, default: data_config.get(key, default)) if data_config else (
-        lambda key, default: default)
+    get = (
+        (lambda key, default: data_config.get(key, default))
+        if data_config
+        else (lambda key, default: default)
+    )
     threads = get("read_threads", 0)
-    iterable = dataset.to_iter_dataset(grain.ReadOptions(
-        num_threads=threads, prefetch_buffer_size=max(2 * threads, 1)))
+    iterable = dataset.to_iter_dataset(
+        grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(2 * threads, 1))
+    )
     workers = get("worker_count", 0)
     if workers:
         iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
@@ -95,8 +101,10 @@ def load_source(name: str, split: str, data_dir: str | None = None):
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as e:
-        raise ValueError(f"config.data.name={name!r} is not a TFDS dataset (nor an embedded one: "
-                         f"{[b.name for b in EMBEDDED_BUILDERS]}).") from e
+        raise ValueError(
+            f"config.data.name={name!r} is not a TFDS dataset (nor an embedded one: "
+            f"{[b.name for b in EMBEDDED_BUILDERS]})."
+        ) from e
     if isinstance(builder, EMBEDDED_BUILDERS) and not builder.is_prepared():
         with _preparation_lock(data_dir, name):
             # Another process may have finished while this one waited: TFDS would then fail to
@@ -109,7 +117,8 @@ def load_source(name: str, split: str, data_dir: str | None = None):
         raise RuntimeError(
             f"TFDS dataset {name!r} (split {split!r}) is not prepared as array_record under "
             f"{data_dir!r}. Preparing it needs TensorFlow: `pip install attnjax[tfds-prepare]`, "
-            f"then `tfds build {name} --data_dir={data_dir} --file_format=array_record`.") from e
+            f"then `tfds build {name} --data_dir={data_dir} --file_format=array_record`."
+        ) from e
     except ValueError as e:
         raise ValueError(f"config.data split {split!r} of {name!r}: {e}") from e
 
@@ -125,7 +134,11 @@ def _resize_fn(data_config) -> Callable[[dict], dict]:
 
 
 def _example_fn(data_config) -> Any:
-    image_key, label_key, resized = data_config.image_key, data_config.label_key, _resize_fn(data_config)
+    image_key, label_key, resized = (
+        data_config.image_key,
+        data_config.label_key,
+        _resize_fn(data_config),
+    )
 
     def example(record):
         return {"image": resized(record)[image_key], "label": np.int32(record[label_key])}
@@ -146,13 +159,15 @@ def _normalize_fn(data_config):
 
 def per_process_batch_size(batch_size: int, process_count: int, what: str = "config.batch_size"):
     if batch_size % process_count:
-        raise ValueError(f"{what}={batch_size} must be divisible by the process count "
-                         f"{process_count}.")
+        raise ValueError(
+            f"{what}={batch_size} must be divisible by the process count {process_count}."
+        )
     return batch_size // process_count
 
 
-def process_batches(examples: grain.MapDataset, global_batch: int, process_index: int = 0,
-                    process_count: int = 1) -> grain.MapDataset:
+def process_batches(
+    examples: grain.MapDataset, global_batch: int, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
     """This process's rows of each global batch of ``examples``: ``[global_batch / count, ...]``.
 
     Global batch ``t`` is ``examples[t * global_batch:(t + 1) * global_batch]`` for every process
@@ -190,8 +205,9 @@ def records_in_memory(source, prepare: Callable[[dict], dict] = lambda record: r
 def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> Datasets:
     """Train and eval pipelines for ``config.data`` (see the module docstring)."""
     data = config.data
-    eval_batch = per_process_batch_size(config.get("eval_batch_size") or config.batch_size,
-                                        process_count, "config.eval_batch_size")
+    eval_batch = per_process_batch_size(
+        config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size"
+    )
 
     train_source = load_source(data.name, data.train_split, data.data_dir)
     eval_source = load_source(data.name, data.eval_split, data.data_dir)
@@ -201,24 +217,41 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     train = grain.MapDataset.source(records_in_memory(train_source, _resize_fn(data)))
     num_train = len(train)
     if num_train < config.batch_size:
-        raise ValueError(f"config.batch_size={config.batch_size} is larger than the "
-                         f"{num_train} train examples of {data.name!r}.")
+        raise ValueError(
+            f"config.batch_size={config.batch_size} is larger than the "
+            f"{num_train} train examples of {data.name!r}."
+        )
     padding, flip = data.get("crop_padding", 0), data.get("flip", False)
     train = train.seed(config.seed).shuffle().repeat(None).map(example)
     if padding or flip:
         train = train.random_map(
-            lambda ex, rng: {**ex, "image": random_crop_flip(ex["image"], rng, padding, flip)})
+            lambda ex, rng: {**ex, "image": random_crop_flip(ex["image"], rng, padding, flip)}
+        )
     train = process_batches(train.map(normalize), config.batch_size, process_index, process_count)
 
-    evaluation = padded_eval_dataset(eval_source, eval_batch, process_index=process_index,
-                                     process_count=process_count,
-                                     transform=lambda record: normalize(example(record)))
-    return Datasets(train=train, eval=evaluation, num_train_examples=num_train,
-                    num_eval_examples=len(eval_source))
+    evaluation = padded_eval_dataset(
+        eval_source,
+        eval_batch,
+        process_index=process_index,
+        process_count=process_count,
+        transform=lambda record: normalize(example(record)),
+    )
+    return Datasets(
+        train=train,
+        eval=evaluation,
+        num_train_examples=num_train,
+        num_eval_examples=len(eval_source),
+    )
 
 
-def padded_eval_dataset(source, batch_size: int, *, process_index: int = 0, process_count: int = 1,
-                        transform: Callable[[dict], dict] = lambda record: record) -> grain.MapDataset:
+def padded_eval_dataset(
+    source,
+    batch_size: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    transform: Callable[[dict], dict] = lambda record: record,
+) -> grain.MapDataset:
     """This process's share of ``source`` as ``transform``ed batches of ``batch_size``, each
     example with ``"mask"`` 1.0, completed by all-zero examples with ``"mask"`` 0.0.
 

@@ -1,4 +1,5 @@
 """Per-example image transforms on uint8 ``[H, W, C]`` numpy arrays: resizing and augmentation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +16,9 @@ def resize(image: np.ndarray, size: int) -> np.ndarray:
     return out[..., None] if channels == 1 else out
 
 
-def random_crop_flip(image: np.ndarray, rng: np.random.Generator, padding: int,
-                     flip: bool) -> np.ndarray:
+def random_crop_flip(
+    image: np.ndarray, rng: np.random.Generator, padding: int, flip: bool
+) -> np.ndarray:
     """Zero-pad by ``padding``, crop back at a random offset (a shift of +-padding), maybe flip."""
     if padding:
         # The crop of the zero-padded image, written as a shifted copy: np.pad costs most of the
@@ -26,7 +28,9 @@ def random_crop_flip(image: np.ndarray, rng: np.random.Generator, padding: int,
         shifted = np.zeros_like(image)
         rows, cols = slice(max(0, -dy), h - max(0, dy)), slice(max(0, -dx), w - max(0, dx))
         if rows.start < rows.stop and cols.start < cols.stop:
-            shifted[rows, cols] = image[rows.start + dy:rows.stop + dy, cols.start + dx:cols.stop + dx]
+            shifted[rows, cols] = image[
+                rows.start + dy : rows.stop + dy, cols.start + dx : cols.stop + dx
+            ]
         image = shifted
     if flip and rng.random() < 0.5:
         image = image[:, ::-1]

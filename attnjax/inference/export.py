@@ -26,6 +26,7 @@ their input and output shapes, the run's data normalisation, the step exported).
 ``load`` imports only ``jax``, ``numpy`` and the standard library; ``export_workdir`` imports the
 model code when it is called.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,11 +54,15 @@ def load(path: str) -> LoadedExport:
         raise FileNotFoundError(f"export.load: no file at {path!r}")
     with np.load(path) as contents:
         if "manifest" not in contents:
-            raise ValueError(f"export.load: {path!r} holds no manifest; not a file written by "
-                             "python -m attnjax.inference.export")
+            raise ValueError(
+                f"export.load: {path!r} holds no manifest; not a file written by "
+                "python -m attnjax.inference.export"
+            )
         manifest = json.loads(bytes(contents["manifest"]).decode())
-        functions = {name: jax.export.deserialize(bytearray(contents[f"function/{name}"].tobytes())).call
-                     for name in manifest["functions"]}
+        functions = {
+            name: jax.export.deserialize(bytearray(contents[f"function/{name}"].tobytes())).call
+            for name in manifest["functions"]
+        }
     return LoadedExport(functions, manifest)
 
 
@@ -66,8 +71,8 @@ def _spec(shape, dtype):
 
 
 def _classification(config, workdir, step):
-    from attnjax.train import checkpoint
     from attnjax.tasks import classification
+    from attnjax.train import checkpoint
 
     _, variables = checkpoint.load(workdir, step=step, variables=True)
     model = classification.create_model(config)
@@ -101,13 +106,15 @@ def _vqgan(config, workdir, step):
     def decode(codes):
         return model.apply(variables, codes, method=type(model).decode_indices)
 
-    return {"encode": (encode, [_spec((batch, size, size, model.in_channels), jnp.float32)]),
-            "decode": (decode, [_spec((batch, *vqgan.grid_shape), jnp.int32)])}
+    return {
+        "encode": (encode, [_spec((batch, size, size, model.in_channels), jnp.float32)]),
+        "decode": (decode, [_spec((batch, *vqgan.grid_shape), jnp.int32)]),
+    }
 
 
 def _prior(config, workdir, step, number):
-    from attnjax.train import checkpoint
     from attnjax.tasks import prior as prior_task
+    from attnjax.train import checkpoint
 
     _, params = checkpoint.load(workdir, step=step)
     model = prior_task.create_model(config)
@@ -117,18 +124,28 @@ def _prior(config, workdir, step, number):
 
     def sample(labels, seed):
         codes = prior_task.sample_codes(
-            model, params, labels if config.num_classes else None, jax.random.key(seed),
-            grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
-            num_classes=config.num_classes, num_samples=number, temperature=sampling.temperature,
-            top_k=sampling.get("top_k"), top_p=sampling.get("top_p"), guidance=guidance)
+            model,
+            params,
+            labels if config.num_classes else None,
+            jax.random.key(seed),
+            grid_shape=vqgan.grid_shape,
+            codebook_size=vqgan.model.n_embed,
+            num_classes=config.num_classes,
+            num_samples=number,
+            temperature=sampling.temperature,
+            top_k=sampling.get("top_k"),
+            top_p=sampling.get("top_p"),
+            guidance=guidance,
+        )
         images = vqgan.model.apply(vqgan.variables, codes, method=type(vqgan.model).decode_indices)
         return images * jnp.asarray(vqgan.config.data.std) + jnp.asarray(vqgan.config.data.mean)
 
     return {"sample": (sample, [_spec((number,), jnp.int32), _spec((), jnp.uint32)])}
 
 
-def export_workdir(workdir: str, out: str, *, step: int | None = None, number: int = 10,
-                   force: bool = False) -> dict:
+def export_workdir(
+    workdir: str, out: str, *, step: int | None = None, number: int = 10, force: bool = False
+) -> dict:
     """Writes the inference functions of the run in ``workdir`` to ``out``; returns the manifest.
 
     ``step``: the checkpoint (default: the latest). ``number``: samples per call of a prior's
@@ -144,25 +161,34 @@ def export_workdir(workdir: str, out: str, *, step: int | None = None, number: i
         raise ValueError(f"export: --workdir {workdir!r} holds no checkpoint (train it first)")
     config = checkpoint.read_config(workdir)
     step = checkpoint.latest_step(workdir) if step is None else step
-    builders = {"classification": lambda: _classification(config, workdir, step),
-                "vqgan": lambda: _vqgan(config, workdir, step),
-                "prior": lambda: _prior(config, workdir, step, number)}
+    builders = {
+        "classification": lambda: _classification(config, workdir, step),
+        "vqgan": lambda: _vqgan(config, workdir, step),
+        "prior": lambda: _prior(config, workdir, step, number),
+    }
     if config.task not in builders:
-        raise ValueError(f"export: the run in {workdir!r} has task {config.task!r}; expected one "
-                         f"of {sorted(builders)}")
+        raise ValueError(
+            f"export: the run in {workdir!r} has task {config.task!r}; expected one "
+            f"of {sorted(builders)}"
+        )
     functions = builders[config.task]()
     serialized, described = {}, {}
     for name, (function, specs) in functions.items():
         exported = jax.export.export(jax.jit(function))(*specs)
         serialized[f"function/{name}"] = np.frombuffer(bytes(exported.serialize()), np.uint8)
-        described[name] = {"inputs": [[str(d) for d in s.shape] + [str(s.dtype)] for s in specs],
-                           "outputs": [[str(d) for d in s.shape] + [str(s.dtype)]
-                                       for s in exported.out_avals]}
+        described[name] = {
+            "inputs": [[str(d) for d in s.shape] + [str(s.dtype)] for s in specs],
+            "outputs": [[str(d) for d in s.shape] + [str(s.dtype)] for s in exported.out_avals],
+        }
     data_config = config.get("data") or {}
-    manifest = {"task": config.task, "workdir": os.path.abspath(workdir), "step": int(step),
-                "functions": described,
-                "mean": list(data_config.get("mean", ()) or ()),
-                "std": list(data_config.get("std", ()) or ())}
+    manifest = {
+        "task": config.task,
+        "workdir": os.path.abspath(workdir),
+        "step": int(step),
+        "functions": described,
+        "mean": list(data_config.get("mean", ()) or ()),
+        "std": list(data_config.get("std", ()) or ()),
+    }
     buffer = io.BytesIO()
     np.savez(buffer, manifest=np.frombuffer(json.dumps(manifest).encode(), np.uint8), **serialized)
     partial = f"{out}.partial"  # written whole, then renamed: a failed run leaves ``out`` as it was
@@ -173,20 +199,26 @@ def export_workdir(workdir: str, out: str, *, step: int | None = None, number: i
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attnjax.inference.export",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", required=True, help="a trained run (classification, vqgan, prior)")
+    parser = argparse.ArgumentParser(
+        prog="python -m attnjax.inference.export", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--workdir", required=True, help="a trained run (classification, vqgan, prior)"
+    )
     parser.add_argument("--out", required=True, help="the file to write")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--number", type=int, default=10, help="samples per call (prior runs)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     args = parser.parse_args(argv)
     try:
-        manifest = export_workdir(args.workdir, args.out, step=args.step, number=args.number,
-                                  force=args.force)
+        manifest = export_workdir(
+            args.workdir, args.out, step=args.step, number=args.number, force=args.force
+        )
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"error: {error}")
-    functions = ", ".join(f"{name}{tuple(spec['inputs'])}" for name, spec in manifest["functions"].items())
+    functions = ", ".join(
+        f"{name}{tuple(spec['inputs'])}" for name, spec in manifest["functions"].items()
+    )
     print(f"wrote {args.out}: {manifest['task']} run at step {manifest['step']}: {functions}")
 
 

@@ -14,6 +14,7 @@ rows with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p
 ``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten
 without ``--force``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.train import checkpoint
-from attnjax.models import gpt, sampling
 from attnjax.data.images import save_image_grid
+from attnjax.models import gpt, sampling
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
+from attnjax.train import checkpoint
 
 
 class TrainedPrior(NamedTuple):
@@ -46,25 +47,31 @@ def load_prior(workdir: str, step: int | None = None) -> TrainedPrior:
         raise ValueError(f"--workdir {workdir!r} holds no checkpoint (train a prior run first)")
     config, params = checkpoint.load(workdir, step=step)
     if config.task != "prior":
-        raise ValueError(f"--workdir {workdir!r} holds a {config.task!r} run, expected a 'prior' run")
+        raise ValueError(
+            f"--workdir {workdir!r} holds a {config.task!r} run, expected a 'prior' run"
+        )
     vqgan = prior_task.load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     return TrainedPrior(config, prior_task.create_model(config), params, vqgan)
 
 
-def sampling_settings(run: TrainedPrior, *, temperature=None, top_k=None, top_p=None,
-                      guidance=None) -> dict:
+def sampling_settings(
+    run: TrainedPrior, *, temperature=None, top_k=None, top_p=None, guidance=None
+) -> dict:
     """Keyword arguments of ``attnjax.models.sampling``'s samplers: the given values, else the run's."""
     config = run.config.sampling
     trained_guidance = prior_task.sampling_guidance(run.config)
     if guidance is not None and not prior_task.trained_with_null_class(run.config):
-        raise ValueError(f"--guidance {guidance}: this prior was trained without a null class "
-                         "(config.class_dropout = 0), so it has no unconditional model to guide with")
+        raise ValueError(
+            f"--guidance {guidance}: this prior was trained without a null class "
+            "(config.class_dropout = 0), so it has no unconditional model to guide with"
+        )
     settings = dict(
         temperature=config.temperature if temperature is None else temperature,
         top_k=config.get("top_k") if top_k is None else top_k,
         top_p=config.get("top_p") if top_p is None else top_p,
         guidance=trained_guidance if guidance is None else guidance,
-        num_codes=run.vqgan.model.n_embed)
+        num_codes=run.vqgan.model.n_embed,
+    )
     sampling.SamplingSettings(**settings).check(run.model.vocab_size)
     return settings
 
@@ -76,23 +83,34 @@ def _prefixes(run: TrainedPrior, labels, batch: int, guidance):
     return prefix, null
 
 
-def sample_codes(run: TrainedPrior, labels, rng, *, number: int | None = None, grid_shape=None,
-                 **settings):
+def sample_codes(
+    run: TrainedPrior, labels, rng, *, number: int | None = None, grid_shape=None, **settings
+):
     """Codes ``[batch, H, W]`` of class ``labels [batch]`` (or ``number`` unconditional ones);
     ``grid_shape`` larger than the trained grid samples with the sliding window."""
     batch = number if labels is None else len(labels)
     prefix, null = _prefixes(run, labels, batch, settings.get("guidance"))
-    return sampling.sample_window(run.model, run.params, prefix, rng,
-                                  grid_shape or run.vqgan.grid_shape, run.vqgan.grid_shape,
-                                  null_prefix=null, **settings)
+    return sampling.sample_window(
+        run.model,
+        run.params,
+        prefix,
+        rng,
+        grid_shape or run.vqgan.grid_shape,
+        run.vqgan.grid_shape,
+        null_prefix=null,
+        **settings,
+    )
 
 
 def decode(run: TrainedPrior, codes) -> np.ndarray:
     """Codes ``[batch, h, w]`` -> pixels ``[batch, H, W, C]`` (in [0, 1] for a good VQGAN)."""
     decoded = vqgan_task.compiled_method(run.vqgan.model, "decode_indices")(
-        run.vqgan.variables, jnp.asarray(codes, jnp.int32))
+        run.vqgan.variables, jnp.asarray(codes, jnp.int32)
+    )
     data = run.vqgan.config.data
-    return np.asarray(decoded) * np.asarray(data.std, np.float32) + np.asarray(data.mean, np.float32)
+    return np.asarray(decoded) * np.asarray(data.std, np.float32) + np.asarray(
+        data.mean, np.float32
+    )
 
 
 def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **settings) -> dict:
@@ -103,18 +121,24 @@ def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **setti
     """
     height = run.vqgan.grid_shape[0]
     if not 1 <= rows < height:
-        raise ValueError(f"--rows must be in [1, {height - 1}] (the code grid has {height} rows), "
-                         f"got {rows}")
+        raise ValueError(
+            f"--rows must be in [1, {height - 1}] (the code grid has {height} rows), got {rows}"
+        )
     images, codes, labels = prior_task.first_codes(run.vqgan, number)
     prefix, null = _prefixes(run, labels, number, settings.get("guidance"))
-    completed = sampling.complete(run.model, run.params, prefix, codes, rows, rng, null_prefix=null,
-                                  **settings)
+    completed = sampling.complete(
+        run.model, run.params, prefix, codes, rows, rng, null_prefix=null, **settings
+    )
     data = run.vqgan.config.data
     originals = images * np.asarray(data.std, np.float32) + np.asarray(data.mean, np.float32)
     kept = decode(run, codes)
-    kept[:, rows * kept.shape[1] // height:] = 0.5
-    return {"originals": originals, "kept": kept, "completions": decode(run, completed),
-            "labels": labels}
+    kept[:, rows * kept.shape[1] // height :] = 0.5
+    return {
+        "originals": originals,
+        "kept": kept,
+        "completions": decode(run, completed),
+        "labels": labels,
+    }
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -131,8 +155,9 @@ def run_command(args) -> str:
     if args.grid and args.complete:
         raise ValueError("--grid and --complete are separate modes: pass one of them")
     grid = parse_grid(args.grid) if args.grid else None
-    default_name = ("completion.png" if args.complete else
-                    f"grid_{args.grid}.png" if grid else "sample.png")
+    default_name = (
+        "completion.png" if args.complete else f"grid_{args.grid}.png" if grid else "sample.png"
+    )
     out = args.out or os.path.join(args.workdir, default_name)
     if os.path.exists(out) and not args.force:
         raise ValueError(f"{out!r} exists; pass --force to overwrite it (or --out elsewhere)")
@@ -141,12 +166,23 @@ def run_command(args) -> str:
     if args.class_id is not None and num_classes == 0:
         raise ValueError(f"--class {args.class_id}: this prior is unconditional (num_classes = 0)")
     if args.class_id is not None and not 0 <= args.class_id < num_classes:
-        raise ValueError(f"--class must be in [0, {num_classes - 1}] for this prior, got {args.class_id}")
-    if grid is not None and (grid[0] < run.vqgan.grid_shape[0] or grid[1] < run.vqgan.grid_shape[1]):
-        raise ValueError(f"--grid {args.grid} must be at least the trained grid "
-                         f"{run.vqgan.grid_shape[0]}x{run.vqgan.grid_shape[1]}")
-    settings = sampling_settings(run, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, guidance=args.guidance)
+        raise ValueError(
+            f"--class must be in [0, {num_classes - 1}] for this prior, got {args.class_id}"
+        )
+    if grid is not None and (
+        grid[0] < run.vqgan.grid_shape[0] or grid[1] < run.vqgan.grid_shape[1]
+    ):
+        raise ValueError(
+            f"--grid {args.grid} must be at least the trained grid "
+            f"{run.vqgan.grid_shape[0]}x{run.vqgan.grid_shape[1]}"
+        )
+    settings = sampling_settings(
+        run,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        guidance=args.guidance,
+    )
     rng = jax.random.key(args.seed)
     scale = run.config.sampling.get("png_scale", 1)
     if args.complete:
@@ -165,21 +201,35 @@ def run_command(args) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m attnjax.inference.generate",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m attnjax.inference.generate", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--workdir", required=True, help="a trained prior run")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    parser.add_argument("--class", dest="class_id", type=int, default=None,
-                        help="class to sample (default: every class, a row each)")
+    parser.add_argument(
+        "--class",
+        dest="class_id",
+        type=int,
+        default=None,
+        help="class to sample (default: every class, a row each)",
+    )
     parser.add_argument("--number", type=int, default=8, help="samples (per class without --class)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
-    parser.add_argument("--guidance", type=float, default=None,
-                        help="classifier-free guidance weight (priors trained with class_dropout)")
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="classifier-free guidance weight (priors trained with class_dropout)",
+    )
     parser.add_argument("--grid", default=None, help="HxW code grid, at least the trained one")
-    parser.add_argument("--complete", type=int, default=0,
-                        help="complete this many held-out images from their first --rows rows")
+    parser.add_argument(
+        "--complete",
+        type=int,
+        default=0,
+        help="complete this many held-out images from their first --rows rows",
+    )
     parser.add_argument("--rows", type=int, default=None, help="code rows kept (default: half)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="PNG path (default: in --workdir)")

@@ -1,5 +1,6 @@
 """The VQGAN's PatchGAN discriminator (pix2pix; taming's ``NLayerDiscriminator``) and the
 ``ActNorm`` it may use instead of BatchNorm. Images are ``[batch, height, width, channels]``."""
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -42,13 +43,17 @@ class NLayerDiscriminator(nn.Module):
     @nn.compact
     def __call__(self, x: Array, train: bool = False) -> Array:
         if self.norm not in ("batch", "actnorm", "none"):
-            raise ValueError(f"NLayerDiscriminator: norm must be 'batch', 'actnorm' or 'none', got {self.norm!r}")
+            raise ValueError(
+                f"NLayerDiscriminator: norm must be 'batch', 'actnorm' or 'none', got {self.norm!r}"
+            )
         normed_bias = self.norm != "batch"
         # (features, stride, conv bias, followed by a norm): a stride-2 conv without a norm, then
         # the widths double (up to 8 ndf) per layer, the last of them at stride 1.
         layers = [(self.ndf, 2, True, False)]
-        layers += [(self.ndf * min(2**n, 8), 2 if n < self.n_layers else 1, normed_bias, True)
-                   for n in range(1, self.n_layers + 1)]
+        layers += [
+            (self.ndf * min(2**n, 8), 2 if n < self.n_layers else 1, normed_bias, True)
+            for n in range(1, self.n_layers + 1)
+        ]
         index = 0  # position in taming's Sequential, where every norm and activation counts
         for features, stride, bias, normed in layers:
             x = self._conv(features, stride, bias, index)(x)
@@ -61,17 +66,30 @@ class NLayerDiscriminator(nn.Module):
         return self._conv(1, 1, True, index)(x)
 
     def _conv(self, features: int, stride: int, bias: bool, index: int) -> nn.Conv:
-        return nn.Conv(features, (4, 4), strides=(stride, stride), padding=((1, 1), (1, 1)),
-                       use_bias=bias, kernel_init=nn.initializers.normal(0.02),  # taming's weights_init
-                       name=f"main_{index}", conv_general_dilated=convolution.conv_general_dilated)
+        return nn.Conv(
+            features,
+            (4, 4),
+            strides=(stride, stride),
+            padding=((1, 1), (1, 1)),
+            use_bias=bias,
+            kernel_init=nn.initializers.normal(0.02),  # taming's weights_init
+            name=f"main_{index}",
+            conv_general_dilated=convolution.conv_general_dilated,
+        )
 
     def _norm(self, name: str, train: bool):
         if self.norm == "batch":
+
             def scale_init(rng, shape, dtype=jnp.float32):  # taming's weights_init: N(1, 0.02)
                 return 1.0 + 0.02 * jax.random.normal(rng, shape, dtype)
 
-            return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                                scale_init=scale_init, name=name)
+            return nn.BatchNorm(
+                use_running_average=not train,
+                momentum=0.9,
+                epsilon=1e-5,
+                scale_init=scale_init,
+                name=name,
+            )
         if self.norm == "actnorm":
             return ActNorm(name=name)
         return lambda h: h

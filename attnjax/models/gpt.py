@@ -29,6 +29,7 @@ prefix token: logits at ids ``>= codebook_size`` are masked out (``num_codes`` o
 
 The samplers live in ``attnjax.models.sampling``.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,7 +111,9 @@ class GPT(nn.Module):
                 f"GPT: sequence length {length} exceeds block_size={self.block_size} "
                 f"(indices shape {indices.shape})"
             )
-        tokens = nn.Embed(self.vocab_size, self.n_embd, embedding_init=_INIT, name="tok_emb")(indices)
+        tokens = nn.Embed(self.vocab_size, self.n_embd, embedding_init=_INIT, name="tok_emb")(
+            indices
+        )
         pos_emb = self.param("pos_emb", nn.initializers.zeros, (1, self.block_size, self.n_embd))
         start = 0
         if self.decode:
@@ -167,7 +170,9 @@ def prefix_tokens(labels, codebook_size: int, num_classes: int, batch: int | Non
         return (codebook_size + labels)[:, None]
     if batch is None:
         if labels is None:
-            raise ValueError("prefix_tokens: an unconditional prefix needs batch (or labels for its size)")
+            raise ValueError(
+                "prefix_tokens: an unconditional prefix needs batch (or labels for its size)"
+            )
         batch = len(labels)
     return null_tokens(codebook_size, 0, batch)
 

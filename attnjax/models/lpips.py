@@ -11,6 +11,7 @@ layers shipped inside the ``lpips`` package (``lpips/weights/v0.1/vgg.pth``), co
 (``python -m attnjax.convert.lpips VGG.pth LIN.pth OUT.npz``) into a numpy file that
 ``load_variables`` reads without torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,21 @@ Array = jax.Array
 # torchvision ``vgg16().features``: (index in the Sequential, output channels) of each conv;
 # max-pools precede indices 5, 10, 17 and 24, and the features after the convs at ``TAPS``
 # (plus their ReLU) are compared.
-VGG16_CONVS = ((0, 64), (2, 64), (5, 128), (7, 128), (10, 256), (12, 256), (14, 256),
-               (17, 512), (19, 512), (21, 512), (24, 512), (26, 512), (28, 512))
+VGG16_CONVS = (
+    (0, 64),
+    (2, 64),
+    (5, 128),
+    (7, 128),
+    (10, 256),
+    (12, 256),
+    (14, 256),
+    (17, 512),
+    (19, 512),
+    (21, 512),
+    (24, 512),
+    (26, 512),
+    (28, 512),
+)
 POOL_BEFORE = (5, 10, 17, 24)
 TAPS = (2, 7, 14, 21, 28)
 CHANNELS = (64, 128, 256, 512, 512)
@@ -48,8 +62,15 @@ class VGG16Features(nn.Module):
         for index, channels in VGG16_CONVS:
             if index in POOL_BEFORE:
                 x = nn.max_pool(x, (2, 2), strides=(2, 2))
-            x = nn.relu(nn.Conv(channels, (3, 3), padding=((1, 1), (1, 1)), name=f"features_{index}",
-                                conv_general_dilated=convolution.conv_general_dilated)(x))
+            x = nn.relu(
+                nn.Conv(
+                    channels,
+                    (3, 3),
+                    padding=((1, 1), (1, 1)),
+                    name=f"features_{index}",
+                    conv_general_dilated=convolution.conv_general_dilated,
+                )(x)
+            )
             if index in TAPS:
                 taps.append(x)
         return taps
@@ -74,7 +95,9 @@ class LPIPS(nn.Module):
                 f"and {target.shape}"
             )
         if min(input.shape[1:3]) < 16:
-            raise ValueError(f"LPIPS: images must be at least 16x16 (VGG16 pools 4 times), got {input.shape}")
+            raise ValueError(
+                f"LPIPS: images must be at least 16x16 (VGG16 pools 4 times), got {input.shape}"
+            )
         shift, scale = jnp.asarray(SHIFT), jnp.asarray(SCALE)
         trunk = VGG16Features(name="net")
         both = trunk(jnp.concatenate([(input - shift) / scale, (target - shift) / scale]))
@@ -99,15 +122,25 @@ def load_variables(path) -> dict:
     """Read LPIPS variables written by ``save_variables``; checks every expected array and shape."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"LPIPS weights: no file {path!r} (convert them once with python -m attnjax.convert.lpips)")
+        raise FileNotFoundError(
+            f"LPIPS weights: no file {path!r} (convert them once with python -m attnjax.convert.lpips)"
+        )
     with np.load(path, allow_pickle=False) as arrays:
         flat = {key: arrays[key] for key in arrays.files}
-    expected = jax.eval_shape(LPIPS().init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16, 16, 3)))
+    expected = jax.eval_shape(
+        LPIPS().init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16, 16, 3))
+    )
     expected = flax.traverse_util.flatten_dict(expected, sep="/")
     missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"LPIPS weights {path!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"LPIPS weights {path!r}: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     for key, spec in expected.items():
         if flat[key].shape != spec.shape:
-            raise ValueError(f"LPIPS weights {path!r}: {key} has shape {flat[key].shape}, expected {spec.shape}")
-    return flax.traverse_util.unflatten_dict({key: jnp.asarray(value) for key, value in flat.items()}, sep="/")
+            raise ValueError(
+                f"LPIPS weights {path!r}: {key} has shape {flat[key].shape}, expected {spec.shape}"
+            )
+    return flax.traverse_util.unflatten_dict(
+        {key: jnp.asarray(value) for key, value in flat.items()}, sep="/"
+    )

@@ -1,6 +1,7 @@
 """Multi-head attention as a Linen module, parameterised as PyTorch's ``nn.MultiheadAttention``
 (four ``nn.Dense`` projections around ``attnjax.ops.attention.dot_product_attention``), with an
 optional key/value cache for autoregressive decoding."""
+
 from __future__ import annotations
 
 import functools
@@ -85,11 +86,19 @@ class MultiHeadAttention(nn.Module):
           ``[batch, L, out_features]``, or ``(out, weights)``.
         """
         if self.decode and inputs_k is not None:
-            raise ValueError("MultiHeadAttention(decode=True) caches self-attention: pass inputs_k=None")
+            raise ValueError(
+                "MultiHeadAttention(decode=True) caches self-attention: pass inputs_k=None"
+            )
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
-        check_ranks("MultiHeadAttention", "be [batch, length, features]", lambda n: n == 3,
-                     inputs_q=inputs_q, inputs_k=inputs_k, inputs_v=inputs_v)
+        check_ranks(
+            "MultiHeadAttention",
+            "be [batch, length, features]",
+            lambda n: n == 3,
+            inputs_q=inputs_q,
+            inputs_k=inputs_k,
+            inputs_v=inputs_v,
+        )
         if inputs_k.shape[:2] != inputs_v.shape[:2] or inputs_q.shape[0] != inputs_k.shape[0]:
             raise ValueError(
                 "MultiHeadAttention: batch/length mismatch: inputs_q shape "
@@ -156,7 +165,9 @@ class MultiHeadAttention(nn.Module):
             )
         index = cache_index.value
         cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
-        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
+        cached_value.value = jax.lax.dynamic_update_slice(
+            cached_value.value, value, (0, index, 0, 0)
+        )
         cache_index.value = index + chunk
         query_positions = index + jnp.arange(chunk)
         visible = jnp.arange(max_length)[None, :] <= query_positions[:, None]  # [T, max_length]

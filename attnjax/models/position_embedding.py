@@ -1,4 +1,5 @@
 """A learned position embedding (the ViT's ``pos_embedding``), added to the token sequence."""
+
 from __future__ import annotations
 
 from typing import Callable

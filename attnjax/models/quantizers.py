@@ -29,6 +29,7 @@ rotation taking ``z/||z||`` to ``q/||q||`` and ``lambda = ||q|| / ||z||``: the s
 but the gradient reaching ``z`` is ``lambda R^T g``, which keeps the angle between the gradient
 and the code.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,14 @@ KINDS = ("vq", "fsq", "lfq", "simvq")
 # Levels per codebook size: the FSQ paper's recommendations, plus 2^7 for the 128-code digits,
 # where (4, 4, 4, 2) uses 97% of the grid on the held-out digits at 800 steps, (2, 8, 8) 95% and
 # (8, 4, 4) 88% (the outer levels of a long axis stay rare).
-FSQ_LEVELS = {128: (4, 4, 4, 2), 240: (8, 6, 5), 1000: (8, 5, 5, 5), 4375: (7, 5, 5, 5, 5),
-              15360: (8, 8, 8, 6, 5), 64000: (8, 8, 8, 5, 5, 5)}
+FSQ_LEVELS = {
+    128: (4, 4, 4, 2),
+    240: (8, 6, 5),
+    1000: (8, 5, 5, 5),
+    4375: (7, 5, 5, 5, 5),
+    15360: (8, 8, 8, 6, 5),
+    64000: (8, 8, 8, 5, 5, 5),
+}
 _VQ_OPTIONS = ("legacy", "l2_normalize", "lookup_dim", "ema_decay", "ema_epsilon", "usage_decay")
 _FSQ_OPTIONS = ("fsq_levels",)
 _LFQ_OPTIONS = ("lfq_entropy_weight", "lfq_diversity", "lfq_temperature", "lfq_commitment_weight")
@@ -81,13 +88,17 @@ def _statistics(indices: Array, n_embed: int, axis_name: str | None) -> dict[str
 
 def _check_input(name: str, z: Array, embed_dim: int) -> None:
     if z.ndim != 4 or z.shape[-1] != embed_dim:
-        raise ValueError(f"{name}: z must be [batch, height, width, {embed_dim}] (embed_dim={embed_dim}), "
-                         f"got shape {z.shape}")
+        raise ValueError(
+            f"{name}: z must be [batch, height, width, {embed_dim}] (embed_dim={embed_dim}), "
+            f"got shape {z.shape}"
+        )
 
 
 def _check_indices(name: str, indices) -> None:
     if jnp.issubdtype(jnp.asarray(indices).dtype, jnp.floating):
-        raise ValueError(f"{name}.lookup: indices must be integers, got {jnp.asarray(indices).dtype}")
+        raise ValueError(
+            f"{name}.lookup: indices must be integers, got {jnp.asarray(indices).dtype}"
+        )
 
 
 class RotationVectorQuantizer(vector_quantizer.VectorQuantizer):
@@ -150,8 +161,10 @@ class FSQ(nn.Module):
         codes = rounded / self._half_width
         digits = jnp.round(jax.lax.stop_gradient(rounded)).astype(jnp.int32) + self._half_width
         indices = jnp.sum(digits * self._basis, axis=-1).astype(jnp.int32)
-        aux = {"loss": jnp.zeros((), z.dtype),
-               "latents": jax.lax.stop_gradient(bounded).reshape(-1, len(self.levels))}
+        aux = {
+            "loss": jnp.zeros((), z.dtype),
+            "latents": jax.lax.stop_gradient(bounded).reshape(-1, len(self.levels)),
+        }
         aux.update(_statistics(indices, self.n_embed, self.axis_name))
         return self._project(codes, "out_proj"), indices, aux
 
@@ -170,7 +183,9 @@ class LFQ(nn.Module):
     def setup(self):
         self.dim = int(round(math.log2(self.n_embed)))
         if 2**self.dim != self.n_embed:
-            raise ValueError(f"LFQ: n_embed={self.n_embed} must be a power of two (2^d codes for d signs)")
+            raise ValueError(
+                f"LFQ: n_embed={self.n_embed} must be a power of two (2^d codes for d signs)"
+            )
         if self.dim != self.embed_dim:
             self.in_proj = nn.Dense(self.dim, name="in_proj")
             self.out_proj = nn.Dense(self.embed_dim, name="out_proj")
@@ -193,7 +208,9 @@ class LFQ(nn.Module):
     def entropy_terms(self, flat: Array) -> tuple[Array, Array]:
         """``flat [n, d]`` -> (mean per-position entropy, entropy of the mean distribution)."""
         codes = self.codebook()
-        distances = jnp.sum(flat**2, axis=1, keepdims=True) + jnp.sum(codes**2, axis=1) - 2 * flat @ codes.T
+        distances = (
+            jnp.sum(flat**2, axis=1, keepdims=True) + jnp.sum(codes**2, axis=1) - 2 * flat @ codes.T
+        )
         log_probs = jax.nn.log_softmax(-distances / self.temperature, axis=-1)
         probs = jnp.exp(log_probs)
         per_sample = -jnp.mean(jnp.sum(probs * log_probs, axis=-1))
@@ -213,8 +230,12 @@ class LFQ(nn.Module):
         per_sample, batch = self.entropy_terms(flat)
         loss = self.beta * commitment + self.entropy_weight * (per_sample - self.diversity * batch)
         quantized = projected + jax.lax.stop_gradient(signs - projected)
-        aux = {"loss": loss, "latents": jax.lax.stop_gradient(flat),
-               "per_sample_entropy": per_sample, "batch_entropy": batch}
+        aux = {
+            "loss": loss,
+            "latents": jax.lax.stop_gradient(flat),
+            "per_sample_entropy": per_sample,
+            "batch_entropy": batch,
+        }
         aux.update(_statistics(indices, self.n_embed, self.axis_name))
         return self._project(quantized, "out_proj"), indices, aux
 
@@ -231,9 +252,13 @@ class SimVQ(nn.Module):
     def setup(self):
         # Kept out of "params" so no optimiser (weight decay included) ever moves it.
         self.frozen_codebook = self.variable(
-            "vq_state", "frozen_codebook",
-            lambda: jax.random.normal(self.make_rng("params"), (self.n_embed, self.embed_dim))
-            * self.embed_dim**-0.5)
+            "vq_state",
+            "frozen_codebook",
+            lambda: (
+                jax.random.normal(self.make_rng("params"), (self.n_embed, self.embed_dim))
+                * self.embed_dim**-0.5
+            ),
+        )
         self.proj = nn.Dense(self.embed_dim, use_bias=False, name="proj")
 
     def codebook(self) -> Array:
@@ -248,11 +273,14 @@ class SimVQ(nn.Module):
         _check_input("SimVQ", z, self.embed_dim)
         flat = z.reshape(-1, self.embed_dim)
         codes = self.codebook()
-        distances = jnp.sum(flat**2, axis=1, keepdims=True) + jnp.sum(codes**2, axis=1) - 2 * flat @ codes.T
+        distances = (
+            jnp.sum(flat**2, axis=1, keepdims=True) + jnp.sum(codes**2, axis=1) - 2 * flat @ codes.T
+        )
         indices = jnp.argmin(distances, axis=1)
         z_q = jnp.take(codes, indices, axis=0).reshape(z.shape)
-        loss = (jnp.mean((z_q - jax.lax.stop_gradient(z)) ** 2)
-                + self.beta * jnp.mean((jax.lax.stop_gradient(z_q) - z) ** 2))
+        loss = jnp.mean((z_q - jax.lax.stop_gradient(z)) ** 2) + self.beta * jnp.mean(
+            (jax.lax.stop_gradient(z_q) - z) ** 2
+        )
         if self.rotation_trick:
             quantized = rotate_to_codes(z, z_q)
         else:
@@ -263,8 +291,15 @@ class SimVQ(nn.Module):
         return quantized, indices, aux
 
 
-def make_quantizer(n_embed: int, embed_dim: int, beta: float = 0.25, kind: str = "vq",
-                   rotation_trick: bool = False, axis_name: str | None = None, **options) -> nn.Module:
+def make_quantizer(
+    n_embed: int,
+    embed_dim: int,
+    beta: float = 0.25,
+    kind: str = "vq",
+    rotation_trick: bool = False,
+    axis_name: str | None = None,
+    **options,
+) -> nn.Module:
     """The quantizer of ``kind`` with ``n_embed`` codes for ``embed_dim``-channel latents.
 
     ``options`` are the config's ``model.quantizer`` fields: each kind takes its own
@@ -277,31 +312,45 @@ def make_quantizer(n_embed: int, embed_dim: int, beta: float = 0.25, kind: str =
     known = set(_VQ_OPTIONS + _FSQ_OPTIONS + _LFQ_OPTIONS)
     unknown = set(options) - known
     if unknown:
-        raise ValueError(f"make_quantizer: unknown quantizer options {sorted(unknown)}; "
-                         f"expected a subset of {sorted(known)}")
+        raise ValueError(
+            f"make_quantizer: unknown quantizer options {sorted(unknown)}; "
+            f"expected a subset of {sorted(known)}"
+        )
     if kind not in KINDS:
-        raise ValueError(f"config.model.quantizer.kind={kind!r} is not a quantizer; expected one of {KINDS}")
+        raise ValueError(
+            f"config.model.quantizer.kind={kind!r} is not a quantizer; expected one of {KINDS}"
+        )
     if rotation_trick and kind not in ("vq", "simvq"):
-        raise ValueError(f"config.model.quantizer.rotation_trick applies to the codebook kinds "
-                         f"('vq', 'simvq'), not kind={kind!r}")
+        raise ValueError(
+            f"config.model.quantizer.rotation_trick applies to the codebook kinds "
+            f"('vq', 'simvq'), not kind={kind!r}"
+        )
     if kind == "vq":
         vq_options = {k: v for k, v in options.items() if k in _VQ_OPTIONS}
         if rotation_trick and vq_options.get("lookup_dim"):
-            raise ValueError(f"rotation_trick needs lookup_dim=None (got {vq_options['lookup_dim']}): the "
-                             "rotation is taken between the quantizer's input and its code in one space")
+            raise ValueError(
+                f"rotation_trick needs lookup_dim=None (got {vq_options['lookup_dim']}): the "
+                "rotation is taken between the quantizer's input and its code in one space"
+            )
         cls = RotationVectorQuantizer if rotation_trick else vector_quantizer.VectorQuantizer
         return cls(n_embed, embed_dim, beta, **vq_options)
     if kind == "fsq":
         levels = tuple(options.get("fsq_levels") or FSQ_LEVELS.get(n_embed, ()))
         if not levels:
-            raise ValueError(f"FSQ: no default levels for n_embed={n_embed}; set config.model.quantizer."
-                             f"fsq_levels (defaults exist for n_embed in {sorted(FSQ_LEVELS)})")
+            raise ValueError(
+                f"FSQ: no default levels for n_embed={n_embed}; set config.model.quantizer."
+                f"fsq_levels (defaults exist for n_embed in {sorted(FSQ_LEVELS)})"
+            )
         if int(np.prod(levels)) != n_embed or min(levels) < 2:
-            raise ValueError(f"FSQ: fsq_levels={levels} (each >= 2) must multiply to n_embed={n_embed}, "
-                             f"got {int(np.prod(levels))}")
+            raise ValueError(
+                f"FSQ: fsq_levels={levels} (each >= 2) must multiply to n_embed={n_embed}, "
+                f"got {int(np.prod(levels))}"
+            )
         return FSQ(levels, embed_dim, axis_name=axis_name)
     if kind == "lfq":
-        lfq = {k[len("lfq_"):]: v for k, v in options.items() if k in _LFQ_OPTIONS and v is not None}
+        lfq = {
+            k[len("lfq_") :]: v for k, v in options.items() if k in _LFQ_OPTIONS and v is not None
+        }
         lfq_beta = lfq.pop("commitment_weight", beta)
         return LFQ(n_embed, embed_dim, lfq_beta, axis_name=axis_name, **lfq)
     return SimVQ(n_embed, embed_dim, beta, rotation_trick=rotation_trick, axis_name=axis_name)

@@ -12,6 +12,7 @@ Logits are ``[batch, vocab]`` per step; sequences are ``[batch, length]`` int32.
 guidance runs the model on ``2 batch`` rows (the conditional prefixes, then the unconditional
 ones) and draws from ``u + w (c - u)``; see ``attnjax.models.gpt`` for the vocabulary and prefixes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,14 +59,19 @@ class SamplingSettings(NamedTuple):
 
     def check(self, vocab: int) -> "SamplingSettings":
         if self.temperature < 0:
-            raise ValueError(f"sample: temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(
+                f"sample: temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
         if self.top_k is not None and not 1 <= self.top_k <= vocab:
-            raise ValueError(f"sample: top_k must be in [1, {vocab}] (the vocab size), got {self.top_k}")
+            raise ValueError(
+                f"sample: top_k must be in [1, {vocab}] (the vocab size), got {self.top_k}"
+            )
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sample: top_p must be in (0, 1], got {self.top_p}")
         if self.num_codes is not None and not 1 <= self.num_codes <= vocab:
             raise ValueError(
-                f"sample: num_codes must be in [1, {vocab}] (the vocab size), got {self.num_codes}")
+                f"sample: num_codes must be in [1, {vocab}] (the vocab size), got {self.num_codes}"
+            )
         return self._replace(
             temperature=float(self.temperature),
             top_p=None if self.top_p is None else float(self.top_p),
@@ -90,8 +96,12 @@ def _pick(logits, rng, settings: SamplingSettings):
     if settings.temperature == 0:
         filtered = filter_logits(logits, num_codes=settings.num_codes)
         return jnp.argmax(filtered, axis=-1).astype(jnp.int32)
-    filtered = filter_logits(logits / settings.temperature, num_codes=settings.num_codes,
-                             top_k=settings.top_k, top_p=settings.top_p)
+    filtered = filter_logits(
+        logits / settings.temperature,
+        num_codes=settings.num_codes,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+    )
     return jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
 
 
@@ -181,7 +191,8 @@ def _prepare(model, prefix, steps, settings: SamplingSettings, null_prefix):
         null_prefix = jnp.asarray(null_prefix, jnp.int32)
         if null_prefix.shape != prefix.shape:
             raise ValueError(
-                f"sample: null_prefix shape {null_prefix.shape} must equal prefix shape {prefix.shape}")
+                f"sample: null_prefix shape {null_prefix.shape} must equal prefix shape {prefix.shape}"
+            )
         prefix = jnp.concatenate([prefix, null_prefix], axis=0)
     return prefix, settings
 
@@ -191,9 +202,21 @@ def _sample(sampler, model, params, prefix, rng, steps, settings: SamplingSettin
     return sampler(model, params, prefix, rng, steps, settings)
 
 
-def sample(model: GPT, params, prefix, rng, steps: int, *, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, num_codes: int | None = None,
-           guidance: float | None = None, null_prefix=None, return_logits: bool = False):
+def sample(
+    model: GPT,
+    params,
+    prefix,
+    rng,
+    steps: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_codes: int | None = None,
+    guidance: float | None = None,
+    null_prefix=None,
+    return_logits: bool = False,
+):
     """Sample ``steps`` tokens after ``prefix [batch, p]`` with the key/value cache.
 
     Args:
@@ -215,21 +238,35 @@ def sample(model: GPT, params, prefix, rng, steps: int, *, temperature: float = 
       ``[batch, steps, vocab]`` float32.
     """
     settings = SamplingSettings(temperature, top_k, top_p, num_codes, guidance)
-    tokens, logits = _sample(_sample_cached, model, params, prefix, rng, steps, settings, null_prefix)
+    tokens, logits = _sample(
+        _sample_cached, model, params, prefix, rng, steps, settings, null_prefix
+    )
     return (tokens, logits) if return_logits else tokens
 
 
-def sample_recompute(model: GPT, params, prefix, rng, steps: int, *, temperature: float = 1.0,
-                     top_k: int | None = None, top_p: float | None = None,
-                     num_codes: int | None = None, guidance: float | None = None,
-                     null_prefix=None, return_logits: bool = False):
+def sample_recompute(
+    model: GPT,
+    params,
+    prefix,
+    rng,
+    steps: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_codes: int | None = None,
+    guidance: float | None = None,
+    null_prefix=None,
+    return_logits: bool = False,
+):
     """``sample`` without a cache: the full causal pass over the whole sequence for every token.
 
     Same arguments, same keys, same results; the reference for ``sample`` and its benchmark.
     """
     settings = SamplingSettings(temperature, top_k, top_p, num_codes, guidance)
-    tokens, logits = _sample(_sample_recompute, model, params, prefix, rng, steps, settings,
-                             null_prefix)
+    tokens, logits = _sample(
+        _sample_recompute, model, params, prefix, rng, steps, settings, null_prefix
+    )
     return (tokens, logits) if return_logits else tokens
 
 
@@ -270,11 +307,15 @@ def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, se
     rows, prefix_length = prefix.shape
     window_height, window_width = window_shape
     sequence_length = prefix_length + window_height * window_width - 1
-    shapes = jax.eval_shape(decoder.init, jax.random.key(0), jnp.zeros((rows, sequence_length), jnp.int32))
+    shapes = jax.eval_shape(
+        decoder.init, jax.random.key(0), jnp.zeros((rows, sequence_length), jnp.int32)
+    )
     empty_cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
     def run(cache, tokens):
-        logits, updated = decoder.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        logits, updated = decoder.apply(
+            {"params": params, "cache": cache}, tokens, mutable=["cache"]
+        )
         return updated["cache"], logits.astype(jnp.float32)
 
     def refill(codes, cache, token, top, left, local):
@@ -286,7 +327,9 @@ def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, se
         # position lets the next token overwrite what follows (the causal mask hides the rest).
         next_position = prefix_length + local
         cache = jax.tree.map(lambda x: jnp.full_like(x, next_position) if x.ndim == 0 else x, cache)
-        return cache, jax.lax.dynamic_index_in_dim(logits, prefix_length - 1 + local, 1, keepdims=False)
+        return cache, jax.lax.dynamic_index_in_dim(
+            logits, prefix_length - 1 + local, 1, keepdims=False
+        )
 
     def extend(codes, cache, token, top, left, local):
         del codes, top, left, local
@@ -297,7 +340,9 @@ def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, se
         codes, cache, token = carry
         s, (i, j, top, left, refill_needed) = inputs
         local = (i - top) * window_width + (j - left)
-        cache, logits = jax.lax.cond(refill_needed > 0, refill, extend, codes, cache, token, top, left, local)
+        cache, logits = jax.lax.cond(
+            refill_needed > 0, refill, extend, codes, cache, token, top, left, local
+        )
         logits = _guide(logits, settings)
         token = _both_halves(_pick(logits, jax.random.fold_in(rng, s), settings), settings)
         codes = jax.lax.dynamic_update_slice(codes, token[:, None, None], (0, i, j))
@@ -305,16 +350,31 @@ def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, se
 
     token = jnp.zeros((rows,), jnp.int32)
     steps = jnp.arange(schedule.shape[0])
-    (codes, _, _), logits_seen = jax.lax.scan(step, (codes, empty_cache, token),
-                                              (steps, tuple(schedule.T)))
+    (codes, _, _), logits_seen = jax.lax.scan(
+        step, (codes, empty_cache, token), (steps, tuple(schedule.T))
+    )
     batch = rows if settings.guidance is None else rows // 2
     return codes[:batch], jnp.swapaxes(logits_seen, 0, 1)
 
 
-def sample_window(model: GPT, params, prefix, rng, grid_shape, window_shape, *, codes=None,
-                  start: int = 0, temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None, num_codes: int | None = None,
-                  guidance: float | None = None, null_prefix=None, return_logits: bool = False):
+def sample_window(
+    model: GPT,
+    params,
+    prefix,
+    rng,
+    grid_shape,
+    window_shape,
+    *,
+    codes=None,
+    start: int = 0,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_codes: int | None = None,
+    guidance: float | None = None,
+    null_prefix=None,
+    return_logits: bool = False,
+):
     """Sample a code grid ``grid_shape`` (>= the trained ``window_shape``) with a sliding window.
 
     taming-transformers' sliding-window sampling: token ``(i, j)`` (raster order) is predicted by
@@ -343,26 +403,33 @@ def sample_window(model: GPT, params, prefix, rng, grid_shape, window_shape, *, 
     prefix = jnp.asarray(prefix, jnp.int32)
     (height, width), (window_height, window_width) = tuple(grid_shape), tuple(window_shape)
     if height < window_height or width < window_width or min(window_height, window_width) < 1:
-        raise ValueError(f"sample_window: grid_shape {tuple(grid_shape)} must be at least the "
-                         f"window_shape {tuple(window_shape)} (the trained grid) along both axes")
+        raise ValueError(
+            f"sample_window: grid_shape {tuple(grid_shape)} must be at least the "
+            f"window_shape {tuple(window_shape)} (the trained grid) along both axes"
+        )
     if not 0 <= start < height * width:
-        raise ValueError(f"sample_window: start must be in [0, {height * width}) (raster positions "
-                         f"of the {height}x{width} grid), got {start}")
+        raise ValueError(
+            f"sample_window: start must be in [0, {height * width}) (raster positions "
+            f"of the {height}x{width} grid), got {start}"
+        )
     if codes is None:
         if start:
             raise ValueError(f"sample_window: start={start} keeps codes, but codes is None")
         codes = jnp.zeros((prefix.shape[0], height, width), jnp.int32)
     codes = jnp.asarray(codes, jnp.int32)
     if codes.shape != (prefix.shape[0], height, width):
-        raise ValueError(f"sample_window: codes must be [batch, H, W] = "
-                         f"{(prefix.shape[0], height, width)}, got shape {codes.shape}")
+        raise ValueError(
+            f"sample_window: codes must be [batch, H, W] = "
+            f"{(prefix.shape[0], height, width)}, got shape {codes.shape}"
+        )
     settings = SamplingSettings(temperature, top_k, top_p, num_codes, guidance)
     prefix, settings = _prepare(model, prefix, window_height * window_width, settings, null_prefix)
     if guidance is not None:
         codes = jnp.concatenate([codes, codes])
     schedule = window_schedule((height, width), (window_height, window_width), start)
-    sampled, logits = _sample_window(model, params, prefix, codes, schedule, rng,
-                                     (window_height, window_width), settings)
+    sampled, logits = _sample_window(
+        model, params, prefix, codes, schedule, rng, (window_height, window_width), settings
+    )
     return (sampled, logits) if return_logits else sampled
 
 
@@ -380,7 +447,17 @@ def complete(model: GPT, params, prefix, codes, rows: int, rng, *, window_shape=
         raise ValueError(f"complete: codes must be [batch, H, W], got shape {codes.shape}")
     height, width = codes.shape[1:]
     if not 0 < rows < height:
-        raise ValueError(f"complete: rows must be in [1, {height - 1}] (the grid has {height} rows), "
-                         f"got {rows}")
-    return sample_window(model, params, prefix, rng, (height, width), window_shape or (height, width),
-                         codes=codes, start=rows * width, **sampling)
+        raise ValueError(
+            f"complete: rows must be in [1, {height - 1}] (the grid has {height} rows), got {rows}"
+        )
+    return sample_window(
+        model,
+        params,
+        prefix,
+        rng,
+        (height, width),
+        window_shape or (height, width),
+        codes=codes,
+        start=rows * width,
+        **sampling,
+    )

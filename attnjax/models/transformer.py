@@ -19,6 +19,7 @@ whatever the layout: boolean True = may attend (float masks are added to the sco
 broadcastable to ``[batch, heads, L, S]``; ``convert.torch_nn.transformer_masks_from_torch``
 translates torch's masks. Dropout (rng collection ``"dropout"``) runs when ``deterministic=False``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -70,7 +71,9 @@ class _TransformerSettings(nn.Module):
             raise ValueError(f"{where}: nhead={self.nhead} does not divide d_model={self.d_model}")
         for name, array in inputs.items():
             if jnp.ndim(array) != 3 or jnp.shape(array)[-1] != self.d_model:
-                layout = "[batch, length, d_model]" if self.batch_first else "[length, batch, d_model]"
+                layout = (
+                    "[batch, length, d_model]" if self.batch_first else "[length, batch, d_model]"
+                )
                 raise ValueError(
                     f"{where}: {name} must be {layout} with d_model={self.d_model}, "
                     f"got shape {jnp.shape(array)}"

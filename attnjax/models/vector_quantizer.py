@@ -4,6 +4,7 @@ quantizer shares: code statistics and the re-seeding of dead codes.
 Options against codebook collapse (off by default) keep their state between steps in the
 ``"vq_state"`` collection.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -17,7 +18,9 @@ def _l2_normalize(x: Array, eps: float = 1e-12) -> Array:
     return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
 
 
-def codebook_statistics(indices: Array, n_embed: int, weights: Array | None = None) -> dict[str, Array]:
+def codebook_statistics(
+    indices: Array, n_embed: int, weights: Array | None = None
+) -> dict[str, Array]:
     """How the codes of ``indices [batch, ...]`` are spread over the ``n_embed`` codes.
 
     Returns ``perplexity``, ``exp(H(p))`` of the code histogram ``p`` (``n_embed`` when every code
@@ -28,12 +31,17 @@ def codebook_statistics(indices: Array, n_embed: int, weights: Array | None = No
     if weights is not None:
         weights = jnp.asarray(weights, jnp.float32)
         if weights.shape != indices.shape[:1]:
-            raise ValueError(f"codebook_statistics: weights must be [batch] = {indices.shape[:1]} "
-                             f"for indices of shape {indices.shape}, got shape {weights.shape}")
+            raise ValueError(
+                f"codebook_statistics: weights must be [batch] = {indices.shape[:1]} "
+                f"for indices of shape {indices.shape}, got shape {weights.shape}"
+            )
         flat_weights = jnp.repeat(weights, indices.size // max(indices.shape[0], 1))
     counts = jnp.bincount(indices.reshape(-1), flat_weights, length=n_embed).astype(jnp.float32)
     probs = counts / jnp.maximum(counts.sum(), 1e-10)
-    return {"perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))), "codebook_usage": jnp.mean(counts > 0)}
+    return {
+        "perplexity": jnp.exp(-jnp.sum(probs * jnp.log(probs + 1e-10))),
+        "codebook_usage": jnp.mean(counts > 0),
+    }
 
 
 class VectorQuantizer(nn.Module):
@@ -81,9 +89,13 @@ class VectorQuantizer(nn.Module):
         if self.ema_decay is None:
             self.embedding = self.param("embedding", uniform_codes)
         else:
-            codes = self.variable("vq_state", "embedding", lambda: uniform_codes(self.make_rng("params")))
+            codes = self.variable(
+                "vq_state", "embedding", lambda: uniform_codes(self.make_rng("params"))
+            )
             self.ema_codes = codes
-            self.ema_cluster_size = self.variable("vq_state", "cluster_size", jnp.ones, (self.n_embed,))
+            self.ema_cluster_size = self.variable(
+                "vq_state", "cluster_size", jnp.ones, (self.n_embed,)
+            )
             self.ema_embed_sum = self.variable("vq_state", "embed_sum", lambda: codes.value)
         if self.usage_decay is not None:
             self.usage = self.variable("vq_state", "usage", jnp.zeros, (self.n_embed,))
@@ -99,7 +111,9 @@ class VectorQuantizer(nn.Module):
     def lookup(self, indices: Array) -> Array:
         """Indices ``[...]`` -> quantized latents ``[..., embed_dim]``."""
         if jnp.issubdtype(jnp.asarray(indices).dtype, jnp.floating):
-            raise ValueError(f"VectorQuantizer.lookup: indices must be integers, got {indices.dtype}")
+            raise ValueError(
+                f"VectorQuantizer.lookup: indices must be integers, got {indices.dtype}"
+            )
         codes = jnp.take(self.codebook(), indices, axis=0)
         return self.out_proj(codes) if self.lookup_dim is not None else codes
 
@@ -150,7 +164,9 @@ class VectorQuantizer(nn.Module):
         if self.ema_decay is not None:
             decay = self.ema_decay
             size = decay * self.ema_cluster_size.value + (1 - decay) * counts
-            embed_sum = decay * self.ema_embed_sum.value + (1 - decay) * one_hot.T @ jax.lax.stop_gradient(flat)
+            embed_sum = decay * self.ema_embed_sum.value + (
+                1 - decay
+            ) * one_hot.T @ jax.lax.stop_gradient(flat)
             # Laplace smoothing keeps codes that received nothing from dividing by zero.
             total = size.sum()
             smoothed = (size + self.ema_epsilon) / (total + self.n_embed * self.ema_epsilon) * total
@@ -182,10 +198,18 @@ def reseed_dead_codes(params, vq_state, latents: Array, rng: Array, threshold: f
 
     if "embedding" in state:
         # A reseeded EMA code restarts as one assignment of its seed encoding.
-        state.update(embedding=reseed(state["embedding"]), embed_sum=reseed(state["embed_sum"]),
-                     cluster_size=jnp.where(dead, 1.0, state["cluster_size"]))
+        state.update(
+            embedding=reseed(state["embedding"]),
+            embed_sum=reseed(state["embed_sum"]),
+            cluster_size=jnp.where(dead, 1.0, state["cluster_size"]),
+        )
     else:
-        params = {**params, "quantize": {**params["quantize"],
-                                         "embedding": reseed(params["quantize"]["embedding"])}}
+        params = {
+            **params,
+            "quantize": {
+                **params["quantize"],
+                "embedding": reseed(params["quantize"]["embedding"]),
+            },
+        }
     state["usage"] = jnp.where(dead, 1.0, state["usage"])
     return params, {**vq_state, "quantize": state}, dead.sum()

@@ -18,6 +18,7 @@ carry a leading ``[depth]`` axis; ``stack_block_params``/``unstack_block_params`
 Patch pixels are flattened in ``(row, column, channel)`` order, so ``patch_embed.kernel`` is a
 ``[ph, pw, C, width]`` convolution kernel reshaped to ``[ph * pw * C, width]``.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -14,6 +14,7 @@ multiples of 32 (GroupNorm(32) everywhere, as in taming).
 The quantizer goes beyond taming with options against codebook collapse (off by default; see
 ``VectorQuantizer``). Their state between steps lives in the ``"vq_state"`` collection.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -22,8 +23,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from attnjax.ops import convolution
 from attnjax.models.vector_quantizer import VectorQuantizer
+from attnjax.ops import convolution
 from attnjax.ops.attention import dot_product_attention
 
 Array = jax.Array
@@ -38,8 +39,14 @@ def _normalize(name: str) -> nn.GroupNorm:
 
 def _conv(features: int, kernel: int, name: str, stride: int = 1, padding: Any = "SAME") -> nn.Conv:
     pad = ((kernel // 2, kernel // 2),) * 2 if padding == "SAME" else padding
-    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=pad, name=name,
-                   conv_general_dilated=convolution.conv_general_dilated)
+    return nn.Conv(
+        features,
+        (kernel, kernel),
+        strides=(stride, stride),
+        padding=pad,
+        name=name,
+        conv_general_dilated=convolution.conv_general_dilated,
+    )
 
 
 class ResnetBlock(nn.Module):
@@ -73,7 +80,9 @@ class AttnBlock(nn.Module):
     def __call__(self, x: Array) -> Array:
         b, height, width, c = x.shape
         h = _normalize("norm")(x)
-        q, k, v = (_conv(c, 1, name)(h).reshape(b, height * width, 1, c) for name in ("q", "k", "v"))
+        q, k, v = (
+            _conv(c, 1, name)(h).reshape(b, height * width, 1, c) for name in ("q", "k", "v")
+        )
         h = dot_product_attention(q, k, v).reshape(b, height, width, c)
         return x + _conv(c, 1, "proj_out")(h)
 
@@ -113,24 +122,42 @@ class _DDConfig(nn.Module):
         """The widths and resolution, and the input ``x`` (named ``arg``): ``[b, h, w, channels]``
         with ``channels = getattr(self, channels_field)``; ``h, w`` multiples of the downsampling
         factor when the module ``downsampled`` them."""
-        where, channels, factor = type(self).__name__, getattr(self, channels_field), self.downsample_factor
+        where, channels, factor = (
+            type(self).__name__,
+            getattr(self, channels_field),
+            self.downsample_factor,
+        )
         if x.ndim != 4 or x.shape[-1] != channels:
-            raise ValueError(f"{where}: {arg} must be [batch, height, width, {channels}] "
-                             f"({channels_field}={channels}), got shape {x.shape}")
+            raise ValueError(
+                f"{where}: {arg} must be [batch, height, width, {channels}] "
+                f"({channels_field}={channels}), got shape {x.shape}"
+            )
         if downsampled and (x.shape[1] % factor or x.shape[2] % factor):
-            raise ValueError(f"{where}: {arg} height and width must be divisible by {factor} "
-                             f"(2 ** (len(ch_mult) - 1)), got shape {x.shape}")
+            raise ValueError(
+                f"{where}: {arg} height and width must be divisible by {factor} "
+                f"(2 ** (len(ch_mult) - 1)), got shape {x.shape}"
+            )
         widths = [self.ch * m for m in self.ch_mult]
         if any(w % 32 for w in widths):
             raise ValueError(
                 f"{where}: every width ch * ch_mult[i] must be a multiple of 32 "
-                f"(GroupNorm(32)), got ch={self.ch}, ch_mult={tuple(self.ch_mult)} -> {widths}")
+                f"(GroupNorm(32)), got ch={self.ch}, ch_mult={tuple(self.ch_mult)} -> {widths}"
+            )
         if self.resolution % factor:
-            raise ValueError(f"{where}: resolution={self.resolution} must be divisible by "
-                             f"2**(len(ch_mult) - 1) = {factor}")
+            raise ValueError(
+                f"{where}: resolution={self.resolution} must be divisible by "
+                f"2**(len(ch_mult) - 1) = {factor}"
+            )
 
 
-_DDCONFIG_FIELDS = ("ch", "ch_mult", "num_res_blocks", "attn_resolutions", "resolution", "z_channels")
+_DDCONFIG_FIELDS = (
+    "ch",
+    "ch_mult",
+    "num_res_blocks",
+    "attn_resolutions",
+    "resolution",
+    "z_channels",
+)
 
 
 def _middle(h: Array, dropout: float, train: bool) -> Array:
@@ -157,7 +184,9 @@ class Encoder(_DDConfig):
         res = self.resolution
         for level, mult in enumerate(self.ch_mult):
             for i in range(self.num_res_blocks):
-                h = ResnetBlock(self.ch * mult, self.dropout, name=f"down_{level}_block_{i}")(h, train)
+                h = ResnetBlock(self.ch * mult, self.dropout, name=f"down_{level}_block_{i}")(
+                    h, train
+                )
                 if res in self.attn_resolutions:
                     h = AttnBlock(name=f"down_{level}_attn_{i}")(h)
             if level != len(self.ch_mult) - 1:
@@ -185,7 +214,9 @@ class Decoder(_DDConfig):
         h = _middle(_conv(width, 3, "conv_in")(z), self.dropout, train)
         for level in reversed(range(levels)):
             for i in range(self.num_res_blocks + 1):
-                h = ResnetBlock(self.ch * self.ch_mult[level], self.dropout, name=f"up_{level}_block_{i}")(h, train)
+                h = ResnetBlock(
+                    self.ch * self.ch_mult[level], self.dropout, name=f"up_{level}_block_{i}"
+                )(h, train)
                 if res in self.attn_resolutions:
                     h = AttnBlock(name=f"up_{level}_attn_{i}")(h)
             if level != 0:
@@ -212,18 +243,25 @@ class VQGAN(_DDConfig):
     dropout: float = 0.0
     beta: float = 0.25
     quantizer: Any = None
-    quantizer_factory: Any = None  # (n_embed, embed_dim, beta, **quantizer) -> module; default VectorQuantizer
+    quantizer_factory: Any = (
+        None  # (n_embed, embed_dim, beta, **quantizer) -> module; default VectorQuantizer
+    )
 
     def setup(self):
         shared = {name: getattr(self, name) for name in _DDCONFIG_FIELDS}
         # Lists (from a config file) become tuples: module fields must be hashable.
-        shared.update(ch_mult=tuple(self.ch_mult), attn_resolutions=tuple(self.attn_resolutions),
-                      dropout=self.dropout)
+        shared.update(
+            ch_mult=tuple(self.ch_mult),
+            attn_resolutions=tuple(self.attn_resolutions),
+            dropout=self.dropout,
+        )
         self.encoder = Encoder(in_channels=self.in_channels, double_z=self.double_z, **shared)
         self.decoder = Decoder(out_ch=self.out_ch, **shared)
         self.quant_conv = nn.Conv(self.embed_dim, (1, 1))
         factory = self.quantizer_factory or VectorQuantizer
-        self.quantize = factory(self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {}))
+        self.quantize = factory(
+            self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {})
+        )
         self.post_quant_conv = nn.Conv(self.z_channels, (1, 1))
 
     def encode(self, x: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
@@ -237,7 +275,9 @@ class VQGAN(_DDConfig):
     def decode_indices(self, indices: Array) -> Array:
         """Token grid ``[b, h, w]`` (int) -> image ``[b, h*f, w*f, out_ch]``."""
         if jnp.asarray(indices).ndim != 3:
-            raise ValueError(f"VQGAN.decode_indices: indices must be [batch, h, w], got shape {indices.shape}")
+            raise ValueError(
+                f"VQGAN.decode_indices: indices must be [batch, h, w], got shape {indices.shape}"
+            )
         return self.decode(self.quantize.lookup(indices))
 
     def __call__(self, x: Array, train: bool = False) -> tuple[Array, dict[str, Array]]:
@@ -252,5 +292,7 @@ def create_vqgan(ddconfig, n_embed: int, embed_dim: int, **kwargs) -> VQGAN:
     known = set(_DDCONFIG_FIELDS) | {"in_channels", "out_ch", "double_z", "dropout"}
     extra = set(ddconfig) - known
     if extra:
-        raise ValueError(f"create_vqgan: unknown ddconfig keys {sorted(extra)}; expected a subset of {sorted(known)}")
+        raise ValueError(
+            f"create_vqgan: unknown ddconfig keys {sorted(extra)}; expected a subset of {sorted(known)}"
+        )
     return VQGAN(n_embed=n_embed, embed_dim=embed_dim, **dict(ddconfig), **kwargs)

@@ -17,6 +17,7 @@ Which kernel runs is ``dot_product_attention``'s ``implementation``, by default 
 explicit einsum + softmax (always when weights or dropout are requested) or the linear-memory
 blocked path.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,9 @@ def check_ranks(where: str, expected: str, rank_ok: Callable[[int], bool], **arr
             raise ValueError(f"{where}: {name} must {expected}, got shape {jnp.shape(array)}")
 
 
-def _explicit_attention(query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng,
-                        need_weights=True):
+def _explicit_attention(
+    query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng, need_weights=True
+):
     """Einsum + softmax attention on ``[batch, length, heads, dim]``; returns (out, weights or None).
 
     Heads lead the products; without weights to return, the scale goes into the query and the
@@ -65,7 +67,9 @@ def _explicit_attention(query, key, value, keep, bias, row_valid, scale, dropout
     if keep is not None:
         logits = jnp.where(keep, logits, large_negative(logits_dtype))
     if not need_weights:
-        unnormalised = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+        unnormalised = jnp.exp(
+            logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        )
         out = jnp.einsum("bhls,bhsd->bhld", unnormalised.astype(value.dtype), v)
         out = out / jnp.sum(unnormalised, axis=-1, keepdims=True).astype(value.dtype)
         if row_valid is not None:
@@ -83,22 +87,52 @@ def _explicit_attention(query, key, value, keep, bias, row_valid, scale, dropout
 
 def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation):
     if implementation is None:
-        if (jax.default_backend() == "gpu" and query.dtype in (jnp.float16, jnp.bfloat16)
-                and query.shape[-1] % 8 == 0 and query.shape[-1] <= 128):
+        if (
+            jax.default_backend() == "gpu"
+            and query.dtype in (jnp.float16, jnp.bfloat16)
+            and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 128
+        ):
             try:
                 cudnn_bias = None if bias is None else bias.astype(query.dtype)
-                return jax.nn.dot_product_attention(query, key, value, cudnn_bias, keep, scale=scale,
-                                                    is_causal=is_causal, implementation="cudnn")
+                return jax.nn.dot_product_attention(
+                    query,
+                    key,
+                    value,
+                    cudnn_bias,
+                    keep,
+                    scale=scale,
+                    is_causal=is_causal,
+                    implementation="cudnn",
+                )
             except (NotImplementedError, ValueError, RuntimeError):
                 pass  # cuDNN rejects some shapes and layouts at trace time; XLA takes any.
         implementation = "xla"
-    return jax.nn.dot_product_attention(query, key, value, bias, keep, scale=scale, is_causal=is_causal,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias,
+        keep,
+        scale=scale,
+        is_causal=is_causal,
+        implementation=implementation,
+    )
 
 
-def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = False,
-                          scale: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
-                          return_weights: bool = False, implementation: str | None = None):
+def dot_product_attention(
+    query,
+    key,
+    value,
+    mask=None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    return_weights: bool = False,
+    implementation: str | None = None,
+):
     """Multi-head attention on ``[batch, length, heads, head_dim]`` arrays (JAX's layout).
 
     Args:
@@ -119,17 +153,29 @@ def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = Fal
       ``[batch, L, heads, Ev]``, or ``(out, weights)``. Rows whose keys are all masked are zeros.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    check_ranks("dot_product_attention", "be [batch, length, heads, head_dim]", lambda n: n == 4,
-                 query=query, key=key, value=value)
+    check_ranks(
+        "dot_product_attention",
+        "be [batch, length, heads, head_dim]",
+        lambda n: n == 4,
+        query=query,
+        key=key,
+        value=value,
+    )
     batch, length, heads, depth = query.shape
     if key.shape[0] != batch or key.shape[2] != heads or key.shape[3] != depth:
-        raise ValueError(f"dot_product_attention: key shape {key.shape} does not match query shape "
-                         f"{query.shape} in batch, heads or head_dim")
+        raise ValueError(
+            f"dot_product_attention: key shape {key.shape} does not match query shape "
+            f"{query.shape} in batch, heads or head_dim"
+        )
     if value.shape[:3] != key.shape[:3]:
-        raise ValueError(f"dot_product_attention: value shape {value.shape} does not match key shape "
-                         f"{key.shape} in batch, length or heads")
+        raise ValueError(
+            f"dot_product_attention: value shape {value.shape} does not match key shape "
+            f"{key.shape} in batch, length or heads"
+        )
     if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(
+            f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
+        )
     _check_dropout(dropout_rate, dropout_rng)
     key_length = key.shape[1]
     check_mask_shape(mask, (batch, heads, length, key_length), "dot_product_attention")
@@ -137,9 +183,12 @@ def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = Fal
     needs_weights = return_weights or dropout_rate > 0.0
     if implementation is None and not needs_weights:
         implementation = choose_implementation(
-            jax.default_backend(), query.dtype, length, key_length, depth, value.shape[-1])
+            jax.default_backend(), query.dtype, length, key_length, depth, value.shape[-1]
+        )
     if implementation == "blocked" and not needs_weights:
-        return blocked_dot_product_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
+        return blocked_dot_product_attention(
+            query, key, value, mask, is_causal=is_causal, scale=scale
+        )
 
     explicit = needs_weights or value.shape[-1] != depth or implementation == "explicit"
     keep, bias = split_mask(mask)
@@ -157,8 +206,18 @@ def dot_product_attention(query, key, value, mask=None, *, is_causal: bool = Fal
         bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
 
     if explicit:
-        out, weights = _explicit_attention(query, key, value, keep, bias, row_valid, scale, dropout_rate,
-                                           dropout_rng, needs_weights)
+        out, weights = _explicit_attention(
+            query,
+            key,
+            value,
+            keep,
+            bias,
+            row_valid,
+            scale,
+            dropout_rate,
+            dropout_rng,
+            needs_weights,
+        )
         return (out, weights) if return_weights else out
     out = _fused_attention(query, key, value, keep, bias, scale, kernel_causal, implementation)
     if row_valid is not None:
@@ -179,10 +238,19 @@ def _fold_leading(x, leading: tuple):
     return x.reshape(-1, heads, *x.shape[-2:])
 
 
-def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: bool = False,
-                                 scale: float | None = None, dropout_rate: float = 0.0,
-                                 dropout_rng=None, return_weights: bool = False,
-                                 implementation: str | None = None):
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    mask=None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    return_weights: bool = False,
+    implementation: str | None = None,
+):
     """Attention with ``torch.nn.functional.scaled_dot_product_attention``'s semantics and layout.
 
     ``softmax(query @ key^T * scale + mask) @ value`` over the last two axes.
@@ -202,8 +270,14 @@ def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: boo
       and zero weights (as torch 2.13's SDPA does; ``nn.MultiheadAttention`` gives NaN).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    check_ranks("scaled_dot_product_attention", "have rank >= 2 ([..., length, dim])",
-                 lambda n: n >= 2, query=query, key=key, value=value)
+    check_ranks(
+        "scaled_dot_product_attention",
+        "have rank >= 2 ([..., length, dim])",
+        lambda n: n >= 2,
+        query=query,
+        key=key,
+        value=value,
+    )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(
             f"scaled_dot_product_attention: query and key feature sizes differ: query shape "
@@ -227,13 +301,23 @@ def scaled_dot_product_attention(query, key, value, mask=None, *, is_causal: boo
         check_mask_shape(mask, leading + (length, key_length), "scaled_dot_product_attention")
 
     def to_bthd(x):
-        return jnp.swapaxes(_fold_leading(jnp.broadcast_to(x, leading + x.shape[-2:]), leading), 1, 2)
+        return jnp.swapaxes(
+            _fold_leading(jnp.broadcast_to(x, leading + x.shape[-2:]), leading), 1, 2
+        )
 
     mask = None if mask is None else _fold_leading(mask, leading)
-    result = dot_product_attention(to_bthd(query), to_bthd(key), to_bthd(value), mask,
-                                   is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
-                                   dropout_rng=dropout_rng, return_weights=return_weights,
-                                   implementation=implementation)
+    result = dot_product_attention(
+        to_bthd(query),
+        to_bthd(key),
+        to_bthd(value),
+        mask,
+        is_causal=is_causal,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        return_weights=return_weights,
+        implementation=implementation,
+    )
     out, weights = result if return_weights else (result, None)
     out = jnp.swapaxes(out, 1, 2).reshape(leading + (length, value.shape[-1]))
     if return_weights:

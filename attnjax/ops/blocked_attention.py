@@ -16,6 +16,7 @@ keys masked.
 ``choose_implementation`` is the dispatch rule that ``attention.dot_product_attention`` applies
 when no ``implementation`` is given.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,9 @@ CPU_LONG_KEY_BLOCK = 256
 CPU_LONG_BLOCK_FROM = 1024
 
 
-def choose_implementation(backend: str, dtype, query_length: int, key_length: int,
-                          head_dim: int, value_dim: int) -> str | None:
+def choose_implementation(
+    backend: str, dtype, query_length: int, key_length: int, head_dim: int, value_dim: int
+) -> str | None:
     """The fastest correct attention path for a backend, dtype and shape.
 
     * GPU, float16/bfloat16, ``head_dim == value_dim``, a multiple of 8 up to 128: ``None``, the
@@ -96,8 +98,12 @@ def _tile(x, block: _Blocks, query_start, key_start):
     if x is None:
         return None
     starts = (0, 0, query_start if x.shape[2] > 1 else 0, key_start if x.shape[3] > 1 else 0)
-    sizes = (x.shape[0], x.shape[1], block.query_block if x.shape[2] > 1 else 1,
-             block.key_block if x.shape[3] > 1 else 1)
+    sizes = (
+        x.shape[0],
+        x.shape[1],
+        block.query_block if x.shape[2] > 1 else 1,
+        block.key_block if x.shape[3] > 1 else 1,
+    )
     return jax.lax.dynamic_slice(x, starts, sizes)
 
 
@@ -136,8 +142,10 @@ def _key_blocks_for(block: _Blocks, query_block_index, num_key_blocks: int, mask
     if not block.is_causal:
         return num_key_blocks, full
     last_query = (query_block_index + 1) * block.query_block - 1
-    return (jnp.minimum(num_key_blocks, last_query // block.key_block + 1),
-            jnp.minimum(full, (query_block_index * block.query_block + 1) // block.key_block))
+    return (
+        jnp.minimum(num_key_blocks, last_query // block.key_block + 1),
+        jnp.minimum(full, (query_block_index * block.query_block + 1) // block.key_block),
+    )
 
 
 def _query_blocks_from(block: _Blocks, key_block_index, num_query_blocks: int, masked: bool):
@@ -166,8 +174,16 @@ def _forward(query, key, value, keep, bias, block: _Blocks):
         def key_step(j, state, masked=True):
             acc, row_max, row_sum = state
             key_start = j * block.key_block
-            scores, allowed = _scores(q_tile, _rows(key, key_start, block.key_block), keep, bias,
-                                      block, query_start, key_start, masked)
+            scores, allowed = _scores(
+                q_tile,
+                _rows(key, key_start, block.key_block),
+                keep,
+                bias,
+                block,
+                query_start,
+                key_start,
+                masked,
+            )
             if allowed is not None:
                 scores = jnp.where(allowed, scores, -jnp.inf)
             new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
@@ -177,8 +193,11 @@ def _forward(query, key, value, keep, bias, block: _Blocks):
             correction = jnp.exp(row_max - shift)
             v_tile = _rows(value, key_start, block.key_block)
             acc = acc * correction[..., None] + jnp.einsum(
-                "bhqk,bhkd->bhqd", probs.astype(value.dtype), v_tile,
-                preferred_element_type=jnp.float32)
+                "bhqk,bhkd->bhqd",
+                probs.astype(value.dtype),
+                v_tile,
+                preferred_element_type=jnp.float32,
+            )
             return acc, new_max, row_sum * correction + jnp.sum(probs, axis=-1)
 
         init = (
@@ -186,7 +205,9 @@ def _forward(query, key, value, keep, bias, block: _Blocks):
             jnp.full((batch, heads, block.query_block), -jnp.inf, jnp.float32),
             jnp.zeros((batch, heads, block.query_block), jnp.float32),
         )
-        needed, whole = _key_blocks_for(block, i, num_key_blocks, keep is not None or bias is not None)
+        needed, whole = _key_blocks_for(
+            block, i, num_key_blocks, keep is not None or bias is not None
+        )
         state = jax.lax.fori_loop(0, whole, functools.partial(key_step, masked=False), init)
         acc, row_max, row_sum = jax.lax.fori_loop(whole, needed, key_step, state)
         empty = row_sum == 0.0
@@ -197,8 +218,10 @@ def _forward(query, key, value, keep, bias, block: _Blocks):
         lse = jax.lax.dynamic_update_slice_in_dim(lse, tile_lse, query_start, 2)
         return out, lse
 
-    init = (jnp.zeros((batch, heads, length, value.shape[-1]), out_dtype),
-            jnp.zeros((batch, heads, length), jnp.float32))
+    init = (
+        jnp.zeros((batch, heads, length, value.shape[-1]), out_dtype),
+        jnp.zeros((batch, heads, length), jnp.float32),
+    )
     return jax.lax.fori_loop(0, num_query_blocks, query_step, init)
 
 
@@ -221,52 +244,85 @@ def _backward(block: _Blocks, residuals, d_out):
         k_tile = _rows(key, key_start, block.key_block)
         v_tile = _rows(value, key_start, block.key_block)
         # Under a causal mask the query blocks that end before this key block see none of it.
-        first, whole = _query_blocks_from(block, j, num_query_blocks, keep is not None or bias is not None)
+        first, whole = _query_blocks_from(
+            block, j, num_query_blocks, keep is not None or bias is not None
+        )
 
         def query_step(i, state, masked=True):
             d_query, dk_tile, dv_tile, d_bias = state
             query_start = i * block.query_block
             q_tile = _rows(query, query_start, block.query_block)
             do_tile = _rows(d_out, query_start, block.query_block)
-            scores, allowed = _scores(q_tile, k_tile, keep, bias, block, query_start, key_start, masked)
+            scores, allowed = _scores(
+                q_tile, k_tile, keep, bias, block, query_start, key_start, masked
+            )
             lse_tile = _rows(lse, query_start, block.query_block)
             probs = jnp.exp(scores - lse_tile[..., None])
             if allowed is not None:
                 probs = jnp.where(allowed, probs, 0.0)
-            dv_tile = dv_tile + jnp.einsum("bhqk,bhqd->bhkd", probs.astype(do_tile.dtype), do_tile,
-                                           preferred_element_type=jnp.float32)
-            d_probs = jnp.einsum("bhqd,bhkd->bhqk", do_tile, v_tile, preferred_element_type=jnp.float32)
+            dv_tile = dv_tile + jnp.einsum(
+                "bhqk,bhqd->bhkd",
+                probs.astype(do_tile.dtype),
+                do_tile,
+                preferred_element_type=jnp.float32,
+            )
+            d_probs = jnp.einsum(
+                "bhqd,bhkd->bhqk", do_tile, v_tile, preferred_element_type=jnp.float32
+            )
             d_scores = probs * (d_probs - _rows(delta, query_start, block.query_block)[..., None])
             if d_bias is not None:
-                starts = (0, 0, query_start if d_bias.shape[2] > 1 else 0,
-                          key_start if d_bias.shape[3] > 1 else 0)
+                starts = (
+                    0,
+                    0,
+                    query_start if d_bias.shape[2] > 1 else 0,
+                    key_start if d_bias.shape[3] > 1 else 0,
+                )
                 tile = _reduce_to(d_scores, d_bias.shape)
                 current = jax.lax.dynamic_slice(d_bias, starts, tile.shape)
                 d_bias = jax.lax.dynamic_update_slice(d_bias, current + tile, starts)
             if block.scale != 1.0:
                 d_scores = d_scores * jnp.float32(block.scale)
-            dk_tile = dk_tile + jnp.einsum("bhqk,bhqd->bhkd", d_scores, q_tile,
-                                           preferred_element_type=jnp.float32)
-            dq_tile = jnp.einsum("bhqk,bhkd->bhqd", d_scores, k_tile, preferred_element_type=jnp.float32)
+            dk_tile = dk_tile + jnp.einsum(
+                "bhqk,bhqd->bhkd", d_scores, q_tile, preferred_element_type=jnp.float32
+            )
+            dq_tile = jnp.einsum(
+                "bhqk,bhkd->bhqd", d_scores, k_tile, preferred_element_type=jnp.float32
+            )
             current = _rows(d_query, query_start, block.query_block)
-            d_query = jax.lax.dynamic_update_slice_in_dim(d_query, current + dq_tile, query_start, 2)
+            d_query = jax.lax.dynamic_update_slice_in_dim(
+                d_query, current + dq_tile, query_start, 2
+            )
             return d_query, dk_tile, dv_tile, d_bias
 
-        init = (d_query, jnp.zeros(k_tile.shape, jnp.float32), jnp.zeros(v_tile.shape, jnp.float32), d_bias)
+        init = (
+            d_query,
+            jnp.zeros(k_tile.shape, jnp.float32),
+            jnp.zeros(v_tile.shape, jnp.float32),
+            d_bias,
+        )
         whole = jnp.minimum(jnp.maximum(first, whole), num_query_blocks)
         state = jax.lax.fori_loop(first, whole, query_step, init)
         d_query, dk_tile, dv_tile, d_bias = jax.lax.fori_loop(
-            whole, num_query_blocks, functools.partial(query_step, masked=False), state)
+            whole, num_query_blocks, functools.partial(query_step, masked=False), state
+        )
         d_key = jax.lax.dynamic_update_slice_in_dim(d_key, dk_tile, key_start, 2)
         d_value = jax.lax.dynamic_update_slice_in_dim(d_value, dv_tile, key_start, 2)
         return d_query, d_key, d_value, d_bias
 
-    init = (jnp.zeros(query.shape, jnp.float32), jnp.zeros(key.shape, jnp.float32),
-            jnp.zeros(value.shape, jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    init = (
+        jnp.zeros(query.shape, jnp.float32),
+        jnp.zeros(key.shape, jnp.float32),
+        jnp.zeros(value.shape, jnp.float32),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
     d_query, d_key, d_value, d_bias = jax.lax.fori_loop(0, num_key_blocks, key_step, init)
-    return (d_query.astype(query.dtype), d_key.astype(key.dtype), d_value.astype(value.dtype), None,
-            None if bias is None else d_bias.astype(bias.dtype))
+    return (
+        d_query.astype(query.dtype),
+        d_key.astype(key.dtype),
+        d_value.astype(value.dtype),
+        None,
+        None if bias is None else d_bias.astype(bias.dtype),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -294,9 +350,17 @@ def _as_4d(mask):
     return None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
 
 
-def blocked_dot_product_attention(query, key, value, mask=None, *, is_causal: bool = False,
-                                  scale: float | None = None,
-                                  query_block: int | None = None, key_block: int | None = None) -> Array:
+def blocked_dot_product_attention(
+    query,
+    key,
+    value,
+    mask=None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_block: int | None = None,
+    key_block: int | None = None,
+) -> Array:
     """Blocked attention on ``[batch, length, heads, head_dim]`` arrays (JAX's layout).
 
     Args:
@@ -317,20 +381,28 @@ def blocked_dot_product_attention(query, key, value, mask=None, *, is_causal: bo
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     for name, array in (("query", query), ("key", key), ("value", value)):
         if array.ndim != 4:
-            raise ValueError(f"blocked_dot_product_attention: {name} must be [batch, length, heads, "
-                             f"head_dim], got shape {array.shape}")
+            raise ValueError(
+                f"blocked_dot_product_attention: {name} must be [batch, length, heads, "
+                f"head_dim], got shape {array.shape}"
+            )
     if key.shape[::2] != query.shape[::2] or key.shape[:3] != value.shape[:3]:
-        raise ValueError(f"blocked_dot_product_attention: shapes do not match: query {query.shape}, "
-                         f"key {key.shape}, value {value.shape} (expected [b, L, h, E], [b, S, h, E], "
-                         "[b, S, h, Ev])")
-    long_on_cpu = jax.default_backend() == "cpu" and max(query.shape[1], key.shape[1]) >= CPU_LONG_BLOCK_FROM
+        raise ValueError(
+            f"blocked_dot_product_attention: shapes do not match: query {query.shape}, "
+            f"key {key.shape}, value {value.shape} (expected [b, L, h, E], [b, S, h, E], "
+            "[b, S, h, Ev])"
+        )
+    long_on_cpu = (
+        jax.default_backend() == "cpu" and max(query.shape[1], key.shape[1]) >= CPU_LONG_BLOCK_FROM
+    )
     if query_block is None:
         query_block = CPU_LONG_QUERY_BLOCK if long_on_cpu else DEFAULT_QUERY_BLOCK
     if key_block is None:
         key_block = CPU_LONG_KEY_BLOCK if long_on_cpu else DEFAULT_KEY_BLOCK
     if query_block < 1 or key_block < 1:
-        raise ValueError(f"blocked_dot_product_attention: query_block and key_block must be >= 1, "
-                         f"got {query_block}, {key_block}")
+        raise ValueError(
+            f"blocked_dot_product_attention: query_block and key_block must be >= 1, "
+            f"got {query_block}, {key_block}"
+        )
     batch, length, heads, depth = query.shape
     key_length = key.shape[1]
     keep, bias = None, None
@@ -342,8 +414,10 @@ def blocked_dot_product_attention(query, key, value, mask=None, *, is_causal: bo
         except ValueError:
             broadcast = None
         if mask.ndim > 4 or broadcast != target:
-            raise ValueError(f"blocked_dot_product_attention: mask of shape {mask.shape} does not "
-                             f"broadcast to {target}")
+            raise ValueError(
+                f"blocked_dot_product_attention: mask of shape {mask.shape} does not "
+                f"broadcast to {target}"
+            )
         if mask.dtype == jnp.bool_:
             keep = _as_4d(mask)
         elif jnp.issubdtype(mask.dtype, jnp.floating):
@@ -351,8 +425,10 @@ def blocked_dot_product_attention(query, key, value, mask=None, *, is_causal: bo
             keep = ~jnp.isneginf(bias)
             bias = jnp.where(keep, bias, 0.0)
         else:
-            raise ValueError(f"blocked_dot_product_attention: mask must be boolean (True = attend) or "
-                             f"floating (added), got {mask.dtype}")
+            raise ValueError(
+                f"blocked_dot_product_attention: mask must be boolean (True = attend) or "
+                f"floating (added), got {mask.dtype}"
+            )
     query_block, key_block = min(query_block, length), min(key_block, key_length)
     # The scale goes into the query once instead of into every tile of scores and their gradients.
     query = query * jnp.asarray(1.0 / math.sqrt(depth) if scale is None else scale, query.dtype)
@@ -365,8 +441,14 @@ def blocked_dot_product_attention(query, key, value, mask=None, *, is_causal: bo
 
     keep = _pad_axis(_pad_axis(keep, 2, padded_length, True), 3, padded_keys, False)
     bias = _pad_axis(_pad_axis(bias, 2, padded_length), 3, padded_keys)
-    out = _blocked(heads_first(query, padded_length), heads_first(key, padded_keys),
-                   heads_first(value, padded_keys), keep, bias, block)
+    out = _blocked(
+        heads_first(query, padded_length),
+        heads_first(key, padded_keys),
+        heads_first(value, padded_keys),
+        keep,
+        bias,
+        block,
+    )
     return jnp.swapaxes(out[:, :, :length], 1, 2)
 
 

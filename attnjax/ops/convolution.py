@@ -34,6 +34,7 @@ of the batch, and XLA's own kernel gradient is the faster one. Every other case 
 ``lax.conv_general_dilated``.
 Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,31 +63,49 @@ def _is_nhwc(dimension_numbers, lhs, rhs) -> bool:
     return lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers) == expected
 
 
-def output_spatial(in_spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
-                   pads: Sequence[tuple[int, int]]) -> list[int]:
+def output_spatial(
+    in_spatial: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    pads: Sequence[tuple[int, int]],
+) -> list[int]:
     """The output's spatial sizes of a convolution without dilation."""
-    return [(n + lo + hi - k) // s + 1 for n, k, s, (lo, hi) in zip(in_spatial, kernel, strides, pads)]
+    return [
+        (n + lo + hi - k) // s + 1 for n, k, s, (lo, hi) in zip(in_spatial, kernel, strides, pads)
+    ]
 
 
-def needs_patches(in_spatial: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
-                  pads: Sequence[tuple[int, int]]) -> bool:
+def needs_patches(
+    in_spatial: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    pads: Sequence[tuple[int, int]],
+) -> bool:
     """Whether the kernel is larger than the input or the output along some spatial axis."""
     out_spatial = output_spatial(in_spatial, kernel, strides, pads)
     return any(k > min(n, o) for n, o, k in zip(in_spatial, out_spatial, kernel))
 
 
-def conv_as_patches(lhs: Array, rhs: Array, strides: Sequence[int], pads: Sequence[tuple[int, int]],
-                    precision=None) -> Array:
+def conv_as_patches(
+    lhs: Array, rhs: Array, strides: Sequence[int], pads: Sequence[tuple[int, int]], precision=None
+) -> Array:
     """NHWC ``lhs [b, h, w, c_in]`` * HWIO ``rhs [kh, kw, c_in, c_out]`` -> ``[b, h', w', c_out]``
     as one matrix product over ``kh * kw * c_in`` patch features."""
     kh, kw, c_in, c_out = rhs.shape
     (sh, sw), (pad_h, pad_w) = strides, pads
     padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
     out_h, out_w = (padded.shape[1] - kh) // sh + 1, (padded.shape[2] - kw) // sw + 1
-    patches = jnp.concatenate([
-        padded[:, di:di + (out_h - 1) * sh + 1:sh, dj:dj + (out_w - 1) * sw + 1:sw, :]
-        for di in range(kh) for dj in range(kw)], axis=-1)
-    return jnp.einsum("bhwk,ko->bhwo", patches, rhs.reshape(kh * kw * c_in, c_out), precision=precision)
+    patches = jnp.concatenate(
+        [
+            padded[:, di : di + (out_h - 1) * sh + 1 : sh, dj : dj + (out_w - 1) * sw + 1 : sw, :]
+            for di in range(kh)
+            for dj in range(kw)
+        ],
+        axis=-1,
+    )
+    return jnp.einsum(
+        "bhwk,ko->bhwo", patches, rhs.reshape(kh * kw * c_in, c_out), precision=precision
+    )
 
 
 # Output maps of at least this many positions, with at least this many input x output channels,
@@ -111,9 +130,13 @@ def _cores_left_idle() -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def conv_with_product_kernel_grad(lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None) -> Array:
+def conv_with_product_kernel_grad(
+    lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None
+) -> Array:
     """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix products."""
-    return lax.conv_general_dilated(lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision)
+    return lax.conv_general_dilated(
+        lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision
+    )
 
 
 def _product_kernel_grad_fwd(lhs, rhs, strides, pads, precision):
@@ -122,42 +145,84 @@ def _product_kernel_grad_fwd(lhs, rhs, strides, pads, precision):
 
 def _product_kernel_grad_bwd(strides, pads, precision, residuals, d_out):
     lhs, rhs = residuals
-    _, input_vjp = jax.vjp(lambda x: lax.conv_general_dilated(x, rhs, strides, pads, dimension_numbers=_NHWC,
-                                                              precision=precision), lhs)
+    _, input_vjp = jax.vjp(
+        lambda x: lax.conv_general_dilated(
+            x, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision
+        ),
+        lhs,
+    )
     (d_lhs,) = input_vjp(d_out)
     kh, kw = rhs.shape[:2]
     (sh, sw), (pad_h, pad_w) = strides, pads
     padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
     out_h, out_w = d_out.shape[1:3]
-    d_rhs = jnp.stack([
-        jnp.einsum("bhwc,bhwo->co", padded[:, di:di + (out_h - 1) * sh + 1:sh, dj:dj + (out_w - 1) * sw + 1:sw, :],
-                   d_out, precision=precision)
-        for di in range(kh) for dj in range(kw)])
+    d_rhs = jnp.stack(
+        [
+            jnp.einsum(
+                "bhwc,bhwo->co",
+                padded[
+                    :, di : di + (out_h - 1) * sh + 1 : sh, dj : dj + (out_w - 1) * sw + 1 : sw, :
+                ],
+                d_out,
+                precision=precision,
+            )
+            for di in range(kh)
+            for dj in range(kw)
+        ]
+    )
     return d_lhs, d_rhs.reshape(rhs.shape).astype(rhs.dtype)
 
 
 conv_with_product_kernel_grad.defvjp(_product_kernel_grad_fwd, _product_kernel_grad_bwd)
 
 
-def conv_general_dilated(lhs: Array, rhs: Array, window_strides: Sequence[int], padding, lhs_dilation=None,
-                         rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
-                         batch_group_count: int = 1, precision=None, preferred_element_type=None) -> Array:
+def conv_general_dilated(
+    lhs: Array,
+    rhs: Array,
+    window_strides: Sequence[int],
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision=None,
+    preferred_element_type=None,
+) -> Array:
     """``lax.conv_general_dilated``, as patches times a matrix where XLA:CPU's kernels do not apply,
     with a matrix-product kernel gradient on large maps."""
-    plain = (lhs.ndim == 4 and _is_nhwc(dimension_numbers, lhs, rhs) and feature_group_count == 1
-             and batch_group_count == 1 and preferred_element_type is None
-             and all(d == 1 for d in (lhs_dilation or (1, 1))) and all(d == 1 for d in (rhs_dilation or (1, 1))))
+    plain = (
+        lhs.ndim == 4
+        and _is_nhwc(dimension_numbers, lhs, rhs)
+        and feature_group_count == 1
+        and batch_group_count == 1
+        and preferred_element_type is None
+        and all(d == 1 for d in (lhs_dilation or (1, 1)))
+        and all(d == 1 for d in (rhs_dilation or (1, 1)))
+    )
     if plain:
         pads = _pads(padding, lhs.shape[1:3], rhs.shape[:2], window_strides)
         if needs_patches(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
             return conv_as_patches(lhs, rhs, window_strides, pads, precision)
         out_h, out_w = output_spatial(lhs.shape[1:3], rhs.shape[:2], window_strides, pads)
-        large = (out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
-                 and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS)
+        large = (
+            out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
+            and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS
+        )
         if large and min(min(p) for p in pads) >= 0 and _cores_left_idle():
-            return conv_with_product_kernel_grad(lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)),
-                                                 precision)
+            return conv_with_product_kernel_grad(
+                lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)), precision
+            )
     return lax.conv_general_dilated(
-        lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
-        dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count, precision=precision, preferred_element_type=preferred_element_type)
+        lhs,
+        rhs,
+        window_strides,
+        padding,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )

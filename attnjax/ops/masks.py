@@ -4,6 +4,7 @@ boolean and additive parts every attention path takes.
 A boolean mask is True where a query may attend to a key; a float mask is added to the scores
 (``-inf`` entries mask a key out).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,9 @@ def padding_mask(lengths, max_length: int) -> Array:
     """
     lengths = jnp.asarray(lengths)
     if lengths.ndim != 1:
-        raise ValueError(f"padding_mask: lengths must have shape [batch], got shape {lengths.shape}")
+        raise ValueError(
+            f"padding_mask: lengths must have shape [batch], got shape {lengths.shape}"
+        )
     return jnp.arange(max_length)[None, :] < lengths[:, None]
 
 
@@ -85,7 +88,9 @@ def split_mask(mask):
     if mask.dtype == jnp.bool_:
         return mask, None
     if not jnp.issubdtype(mask.dtype, jnp.floating):
-        raise ValueError(f"mask must be boolean (True = attend) or floating (added), got {mask.dtype}")
+        raise ValueError(
+            f"mask must be boolean (True = attend) or floating (added), got {mask.dtype}"
+        )
     # -inf entries are masked keys: moving them to the boolean part keeps fully masked rows
     # detectable (and the softmax finite) on every path.
     keep = ~jnp.isneginf(mask)

@@ -8,6 +8,7 @@ Formula (Vaswani et al., 2017), for position ``pos`` and column pair ``(2i, 2i +
 Sines and cosines are interleaved column by column exactly as written. For an odd ``dim`` the
 last column is a sine (its pair has no room for the cosine).
 """
+
 from __future__ import annotations
 
 import math
@@ -61,7 +62,9 @@ def sincos_2d_encoding(grid_h: int, grid_w: int, dim: int, base=10000.0) -> jax.
     _positive_int(grid_w, "grid_w", "sincos_2d_encoding")
     _positive_int(dim, "dim", "sincos_2d_encoding")
     if dim % 2:
-        raise ValueError(f"sincos_2d_encoding: dim must be even (half rows, half columns), got {dim}")
+        raise ValueError(
+            f"sincos_2d_encoding: dim must be even (half rows, half columns), got {dim}"
+        )
     rows, cols = jnp.meshgrid(
         jnp.arange(grid_h, dtype=jnp.float32), jnp.arange(grid_w, dtype=jnp.float32), indexing="ij"
     )
@@ -128,4 +131,6 @@ def resize_position_embedding(
     prefix, grid = posemb[:, :num_prefix_tokens], posemb[0, num_prefix_tokens:]
     grid = grid.reshape(old_h, old_w, dim)
     grid = jax.image.resize(grid, (new_h, new_w, dim), method=_RESIZE_METHODS[method])
-    return jnp.concatenate([prefix, grid.reshape(1, new_h * new_w, dim).astype(posemb.dtype)], axis=1)
+    return jnp.concatenate(
+        [prefix, grid.reshape(1, new_h * new_w, dim).astype(posemb.dtype)], axis=1
+    )

@@ -56,6 +56,7 @@ Config fields the loop reads for every task: ``seed``, ``num_train_steps``, ``ba
 ``best_metric`` (``""`` or an ``eval/`` metric name, e.g. ``"eval/accuracy"``) with
 ``best_mode`` (``"max"``/``"min"``), ``parallel`` (``"jit"``/``"pmap"``), ``distributed``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -85,9 +86,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
 def get_task(name: str) -> types.ModuleType:
     """Returns the task module registered as ``name`` (``config.task``)."""
     if name not in TASKS:
-        raise ValueError(f"config.task={name!r} is not a known task; expected one of {sorted(TASKS)}.")
+        raise ValueError(
+            f"config.task={name!r} is not a known task; expected one of {sorted(TASKS)}."
+        )
     module = importlib.import_module(TASKS[name])
     missing = [fn for fn in REQUIRED if not hasattr(module, fn)]
     if missing:
-        raise ValueError(f"task module {TASKS[name]} lacks {missing}; see attnjax/tasks/__init__.py.")
+        raise ValueError(
+            f"task module {TASKS[name]} lacks {missing}; see attnjax/tasks/__init__.py."
+        )
     return module

@@ -5,6 +5,7 @@ Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.models.vit.create
 for a named variant), ``init_from`` (optional pretrained params, see ``load_pretrained``),
 ``label_smoothing``, and the optimiser fields of ``attnjax.train.optim``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,10 +21,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax.train import checkpoint
-from attnjax.ops import positional
 from attnjax.models import vit
-from attnjax.train import optim
+from attnjax.ops import positional
+from attnjax.train import checkpoint, optim
 
 MODELS = {"vit": vit.create_vit}
 
@@ -34,8 +34,10 @@ TrainState = optim.TrainState
 def create_model(config) -> nn.Module:
     name = config.get("model_name", "vit")
     if name not in MODELS:
-        raise ValueError(f"config.model_name={name!r} is not a known classifier; expected one of "
-                         f"{sorted(MODELS)}.")
+        raise ValueError(
+            f"config.model_name={name!r} is not a known classifier; expected one of "
+            f"{sorted(MODELS)}."
+        )
     kwargs = config.model.to_dict()
     variant = kwargs.pop("variant", None) or None
     return MODELS[name](variant, **kwargs)
@@ -65,7 +67,9 @@ def _read_params_npz(path: str, model) -> dict:
     return {k.removeprefix("params/"): v for k, v in flat.items()}
 
 
-def _adapt_position_table(old: np.ndarray, new_shape: tuple, new_prefix: int, path: str) -> np.ndarray:
+def _adapt_position_table(
+    old: np.ndarray, new_shape: tuple, new_prefix: int, path: str
+) -> np.ndarray:
     """A checkpoint's learned position table ``[1, tokens, width]`` fitted to the model's.
 
     The checkpoint's own prefix-token count is what its table holds beyond a square grid (a
@@ -79,11 +83,13 @@ def _adapt_position_table(old: np.ndarray, new_shape: tuple, new_prefix: int, pa
         raise ValueError(
             f"config.init_from={path!r}: its position table covers {old_prefix} prefix token(s) "
             f"({tokens} = {old_prefix} + {math.isqrt(tokens)}^2), the model's covers {new_prefix}; "
-            "build the model with the checkpoint's class_token/no_embed_class settings.")
+            "build the model with the checkpoint's class_token/no_embed_class settings."
+        )
     grid = math.isqrt(new_shape[1] - new_prefix)
     if tokens - old_prefix != grid * grid:
-        old = np.asarray(positional.resize_position_embedding(
-            old, (grid, grid), num_prefix_tokens=old_prefix))
+        old = np.asarray(
+            positional.resize_position_embedding(old, (grid, grid), num_prefix_tokens=old_prefix)
+        )
     zeros = np.zeros((1, new_prefix - old_prefix, old.shape[2]), old.dtype)
     return np.concatenate([old[:, :old_prefix], zeros, old[:, old_prefix:]], axis=1)
 
@@ -108,18 +114,22 @@ def load_pretrained(config, model, params):
     flat_new = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
     missing = sorted(k for k in flat_new if k not in flat_old and not k.startswith("head/"))
     if missing:
-        raise ValueError(f"config.init_from={path!r} lacks {len(missing)} parameter(s) of the "
-                         f"model, e.g. {missing[:4]}; is it the same architecture?")
+        raise ValueError(
+            f"config.init_from={path!r} lacks {len(missing)} parameter(s) of the "
+            f"model, e.g. {missing[:4]}; is it the same architecture?"
+        )
     for key, value in flat_new.items():
         if key.startswith("head/"):
             continue
         old = np.asarray(flat_old[key])
         if old.shape != value.shape and key.endswith("pos_embedding"):
-            old = _adapt_position_table(old, value.shape,
-                                        int(model.class_token and not model.no_embed_class), path)
+            old = _adapt_position_table(
+                old, value.shape, int(model.class_token and not model.no_embed_class), path
+            )
         if old.shape != value.shape:
-            raise ValueError(f"config.init_from: {key} has shape {old.shape}, the model "
-                             f"expects {value.shape}.")
+            raise ValueError(
+                f"config.init_from: {key} has shape {old.shape}, the model expects {value.shape}."
+            )
         flat_new[key] = old.astype(value.dtype)
     logging.info("init_from %s: loaded %d arrays, fresh head", path, len(flat_new))
     return flax.traverse_util.unflatten_dict(flat_new, sep="/")
@@ -132,17 +142,22 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     tx = optim.make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
     # One compiled init instead of dozens of eagerly dispatched (and compiled) small ops.
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=jax.jit(tx.init)(params), ema_params=ema)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=jax.jit(tx.init)(params),
+        ema_params=ema,
+    )
 
 
 def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     tx = optim.make_optimizer(config)
 
     def loss_fn(params):
-        logits = model.apply({"params": params}, batch["image"], train=True,
-                             rngs={"dropout": rng})
-        loss = label_smoothed_cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
+        logits = model.apply({"params": params}, batch["image"], train=True, rngs={"dropout": rng})
+        loss = label_smoothed_cross_entropy(
+            logits, batch["label"], config.get("label_smoothing", 0.0)
+        )
         return loss.mean(), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -156,8 +171,11 @@ def eval_step(state: TrainState, batch, *, config, model):
     mask = batch["mask"]
     loss = label_smoothed_cross_entropy(logits, batch["label"], config.get("label_smoothing", 0.0))
     correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-    return {"loss": jnp.sum(loss * mask), "accuracy": jnp.sum(correct * mask),
-            "count": jnp.sum(mask)}
+    return {
+        "loss": jnp.sum(loss * mask),
+        "accuracy": jnp.sum(correct * mask),
+        "count": jnp.sum(mask),
+    }
 
 
 @functools.lru_cache(maxsize=4)
@@ -175,8 +193,9 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
 
     params = state.params if state.ema_params is None else state.ema_params
     n = min(32, int(np.sum(batch["mask"])))
-    predictions = np.asarray(jnp.argmax(_predict_fn(model)({"params": params}, batch["image"]),
-                                        -1))[:n]
+    predictions = np.asarray(
+        jnp.argmax(_predict_fn(model)({"params": params}, batch["image"]), -1)
+    )[:n]
     images = np.asarray(batch["image"][:n])
     labels = np.asarray(batch["label"][:n])
     shown = images * np.asarray(config.data.std) + np.asarray(config.data.mean)
@@ -189,8 +208,11 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
             continue
         image = np.clip(shown[i], 0.0, 1.0)
         ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray")
-        ax.set_title(f"{predictions[i]}/{labels[i]}", fontsize=8,
-                     color="black" if predictions[i] == labels[i] else "red")
+        ax.set_title(
+            f"{predictions[i]}/{labels[i]}",
+            fontsize=8,
+            color="black" if predictions[i] == labels[i] else "red",
+        )
     fig.suptitle(f"predicted/true, step {step}", fontsize=9)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.88, hspace=0.35)
     fig.savefig(os.path.join(workdir, "eval_images.png"), dpi=100)

@@ -22,6 +22,7 @@ token, so that sampling can use classifier-free guidance ``sampling.guidance``; 
 ``data.train_shifts``, ``sampling``, ``codes_cache_dir``, and the optimiser fields of
 ``attnjax.train.optim``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,15 +40,13 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from attnjax.train import checkpoint
 from attnjax import data
-from attnjax.models import gpt
 from attnjax.data.images import save_image_grid
+from attnjax.models import gpt
 from attnjax.models.gpt import null_tokens, prefix_tokens
 from attnjax.models.sampling import sample
-from attnjax.train import optim
 from attnjax.tasks import vqgan as vqgan_task
-
+from attnjax.train import checkpoint, optim
 
 TrainState = optim.TrainState
 
@@ -102,7 +101,7 @@ def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
     height, width = image.shape[:2]
     pad = max(abs(dy), abs(dx))
     padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-    return padded[pad - dy:pad - dy + height, pad - dx:pad - dx + width]
+    return padded[pad - dy : pad - dy + height, pad - dx : pad - dx + width]
 
 
 def load_images(data_config, split: str, shifts: int):
@@ -127,19 +126,26 @@ def _encode_indices(model, variables, images):
     return model.apply(variables, images, method=type(model).encode)[1]
 
 
-def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir: str,
-                 batch_size: int = 256):
+def encode_split(
+    vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir: str, batch_size: int = 256
+):
     """Codes ``int32 [N, h * w]`` (raster order) and labels ``int32 [N]`` of one split, cached."""
     data_config = vqgan.config.data
-    key = json.dumps({
-        "vqgan_workdir": os.path.abspath(vqgan.workdir),
-        "step": int(vqgan.step),
-        "params": _params_digest(vqgan.variables),
-        "data": {k: data_config.get(k) for k in ("name", "image_size", "image_key", "label_key",
-                                                   "mean", "std")},
-        "split": split,
-        "shifts": shifts,
-    }, sort_keys=True, default=str)
+    key = json.dumps(
+        {
+            "vqgan_workdir": os.path.abspath(vqgan.workdir),
+            "step": int(vqgan.step),
+            "params": _params_digest(vqgan.variables),
+            "data": {
+                k: data_config.get(k)
+                for k in ("name", "image_size", "image_key", "label_key", "mean", "std")
+            },
+            "split": split,
+            "shifts": shifts,
+        },
+        sort_keys=True,
+        default=str,
+    )
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     path = os.path.join(cache_dir, f"{split}-shift{shifts}-{digest}.npz")
     if os.path.exists(path):
@@ -150,12 +156,17 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
     # A closure, not a static argument: a VQGAN built from a config holds lists (unhashable).
     encode = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))
     codes = []
-    for start in tqdm(range(0, len(images), batch_size), desc=f"encoding {split} to codes",
-                      unit="batch", leave=False):
-        chunk = images[start:start + batch_size]
-        padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk),) + chunk.shape[1:],
-                                                 chunk.dtype)])  # one shape, one compilation
-        codes.append(np.asarray(encode(padded))[:len(chunk)].reshape(len(chunk), -1))
+    for start in tqdm(
+        range(0, len(images), batch_size),
+        desc=f"encoding {split} to codes",
+        unit="batch",
+        leave=False,
+    ):
+        chunk = images[start : start + batch_size]
+        padded = np.concatenate(
+            [chunk, np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)]
+        )  # one shape, one compilation
+        codes.append(np.asarray(encode(padded))[: len(chunk)].reshape(len(chunk), -1))
     codes = np.concatenate(codes).astype(np.int32)
     os.makedirs(cache_dir, exist_ok=True)
     # Written whole, then renamed: a killed run leaves no bad cache; per process, because every
@@ -163,7 +174,9 @@ def encode_split(vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir:
     partial = f"{path}.{os.getpid()}.partial.npz"
     np.savez(partial, codes=codes, labels=labels, key=key)
     os.replace(partial, path)
-    logging.info("prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path)
+    logging.info(
+        "prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path
+    )
     return codes, labels
 
 
@@ -172,8 +185,10 @@ def first_codes(vqgan: TrainedVQGAN, number: int, split: str | None = None):
     material: ``(images [n, H, W, C] normalised, codes int32 [n, h, w], labels int32 [n])``."""
     images, labels = load_images(vqgan.config.data, split or vqgan.config.data.eval_split, 0)
     if not 1 <= number <= len(images):
-        raise ValueError(f"first_codes: number must be in [1, {len(images)}] (the images of the "
-                         f"split), got {number}")
+        raise ValueError(
+            f"first_codes: number must be in [1, {len(images)}] (the images of the "
+            f"split), got {number}"
+        )
     images, labels = images[:number], labels[:number]
     codes = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))(images)
     return images, np.asarray(codes, np.int32), labels
@@ -193,8 +208,9 @@ def create_model(config) -> gpt.GPT:
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     height, width = vqgan.grid_shape
     return gpt.GPT(
-        vocab_size=gpt.vocab_size(vqgan.model.n_embed, config.num_classes,
-                                    trained_with_null_class(config)),
+        vocab_size=gpt.vocab_size(
+            vqgan.model.n_embed, config.num_classes, trained_with_null_class(config)
+        ),
         block_size=height * width,
         **config.model.to_dict(),
     )
@@ -219,23 +235,38 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     cache_dir = _cache_dir(config, vqgan)
     split = vqgan.config.data
     train_codes, train_labels = encode_split(
-        vqgan, split.train_split, shifts=config.data.get("train_shifts", 0), cache_dir=cache_dir)
+        vqgan, split.train_split, shifts=config.data.get("train_shifts", 0), cache_dir=cache_dir
+    )
     eval_codes, eval_labels = encode_split(vqgan, split.eval_split, cache_dir=cache_dir)
     _check_labels(config, train_labels, eval_labels)
     eval_batch = data.per_process_batch_size(
-        config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size")
+        config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size"
+    )
 
     train = grain.MapDataset.source(_Records(train_codes, train_labels))
     if len(train) < config.batch_size:
-        raise ValueError(f"config.batch_size={config.batch_size} is larger than the {len(train)} "
-                         "code sequences.")
-    train = data.process_batches(train.seed(config.seed).shuffle().repeat(None), config.batch_size,
-                                 process_index, process_count)
+        raise ValueError(
+            f"config.batch_size={config.batch_size} is larger than the {len(train)} code sequences."
+        )
+    train = data.process_batches(
+        train.seed(config.seed).shuffle().repeat(None),
+        config.batch_size,
+        process_index,
+        process_count,
+    )
 
-    evaluation = data.padded_eval_dataset(_Records(eval_codes, eval_labels), eval_batch,
-                                          process_index=process_index, process_count=process_count)
-    return data.Datasets(train=train, eval=evaluation, num_train_examples=len(train_codes),
-                         num_eval_examples=len(eval_codes))
+    evaluation = data.padded_eval_dataset(
+        _Records(eval_codes, eval_labels),
+        eval_batch,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    return data.Datasets(
+        train=train,
+        eval=evaluation,
+        num_train_examples=len(train_codes),
+        num_eval_examples=len(eval_codes),
+    )
 
 
 def _check_labels(config, *label_arrays):
@@ -243,8 +274,9 @@ def _check_labels(config, *label_arrays):
         return
     largest = max(int(labels.max()) for labels in label_arrays)
     if largest >= config.num_classes:
-        raise ValueError(f"config.num_classes={config.num_classes} but the VQGAN's dataset has "
-                         f"label {largest}")
+        raise ValueError(
+            f"config.num_classes={config.num_classes} but the VQGAN's dataset has label {largest}"
+        )
 
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:
@@ -252,8 +284,9 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     params = jax.jit(lambda r: model.init(r, codes))(rng)["params"]
     tx = optim.make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      ema_params=ema)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ema_params=ema
+    )
 
 
 def trained_with_null_class(config) -> bool:
@@ -276,8 +309,9 @@ def _prefix(config, model, batch, rng=None):
     prefix = gpt.prefix_tokens(batch["label"], codebook_size, config.num_classes, batch_size)
     if rng is not None and trained_with_null_class(config):
         hidden = jax.random.bernoulli(rng, config.class_dropout, (batch_size, 1))
-        prefix = jnp.where(hidden, gpt.null_tokens(codebook_size, config.num_classes, batch_size),
-                           prefix)
+        prefix = jnp.where(
+            hidden, gpt.null_tokens(codebook_size, config.num_classes, batch_size), prefix
+        )
     return prefix
 
 
@@ -288,14 +322,16 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     prefix = _prefix(config, model, batch, class_rng)
 
     def loss_fn(params):
-        logits = gpt.sequence_logits(model, params, codes, prefix, deterministic=False,
-                                       rngs={"dropout": dropout_rng})
+        logits = gpt.sequence_logits(
+            model, params, codes, prefix, deterministic=False, rngs={"dropout": dropout_rng}
+        )
         return gpt.cross_entropy(logits, codes), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == codes)}
-    state, metrics = optim.apply_gradients(state, grads, metrics, config=config, tx=tx,
-                                           axis_name=axis_name)
+    state, metrics = optim.apply_gradients(
+        state, grads, metrics, config=config, tx=tx, axis_name=axis_name
+    )
     metrics["bits_per_token"] = gpt.bits_per_token(metrics["loss"])
     return state, metrics
 
@@ -309,30 +345,72 @@ def eval_step(state: TrainState, batch, *, config, model):
     logits = gpt.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
     nll = jax.vmap(lambda l, c: gpt.cross_entropy(l[None], c[None]))(logits, codes)
     correct = jnp.mean((jnp.argmax(logits, -1) == codes).astype(jnp.float32), axis=-1)
-    return {"nll": jnp.sum(nll * mask), "bits_per_token": jnp.sum(gpt.bits_per_token(nll) * mask),
-            "accuracy": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+    return {
+        "nll": jnp.sum(nll * mask),
+        "bits_per_token": jnp.sum(gpt.bits_per_token(nll) * mask),
+        "accuracy": jnp.sum(correct * mask),
+        "count": jnp.sum(mask),
+    }
 
 
-def sample_codes(model: gpt.GPT, params, labels, rng, *, grid_shape, codebook_size: int,
-                 num_classes: int, num_samples: int | None = None, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
-                 guidance: float | None = None):
+def sample_codes(
+    model: gpt.GPT,
+    params,
+    labels,
+    rng,
+    *,
+    grid_shape,
+    codebook_size: int,
+    num_classes: int,
+    num_samples: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    guidance: float | None = None,
+):
     """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as ``sample_images``)."""
     height, width = grid_shape
     batch = num_samples if labels is None else len(labels)
     prefix = prefix_tokens(labels, codebook_size, num_classes, batch)
     null_prefix = None if guidance is None else null_tokens(codebook_size, num_classes, batch)
-    codes = sample(model, params, prefix, rng, height * width, temperature=temperature,
-                   top_k=top_k, top_p=top_p, num_codes=codebook_size, guidance=guidance,
-                   null_prefix=null_prefix)
+    codes = sample(
+        model,
+        params,
+        prefix,
+        rng,
+        height * width,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_codes=codebook_size,
+        guidance=guidance,
+        null_prefix=null_prefix,
+    )
     return codes.reshape(batch, height, width)
 
 
-def sample_images(model: gpt.GPT, params, vqgan, vqgan_variables, labels, rng, *, grid_shape,
-                  codebook_size: int, num_classes: int, num_samples: int | None = None,
-                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  guidance: float | None = None, mean=0.5, std=0.5, path: str | None = None,
-                  nrow: int | None = None, scale: int = 1):
+def sample_images(
+    model: gpt.GPT,
+    params,
+    vqgan,
+    vqgan_variables,
+    labels,
+    rng,
+    *,
+    grid_shape,
+    codebook_size: int,
+    num_classes: int,
+    num_samples: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    guidance: float | None = None,
+    mean=0.5,
+    std=0.5,
+    path: str | None = None,
+    nrow: int | None = None,
+    scale: int = 1,
+):
     """Sample code grids and decode them with the VQGAN: ``(codes [b, h, w], images [b, H, W, C])``.
 
     Args:
@@ -350,10 +428,20 @@ def sample_images(model: gpt.GPT, params, vqgan, vqgan_variables, labels, rng, *
         (in [0, 1] for a well trained model).
       path: if given, the images are saved there as a PNG grid of ``nrow`` columns.
     """
-    codes = sample_codes(model, params, labels, rng, grid_shape=grid_shape,
-                         codebook_size=codebook_size, num_classes=num_classes,
-                         num_samples=num_samples, temperature=temperature, top_k=top_k,
-                         top_p=top_p, guidance=guidance)
+    codes = sample_codes(
+        model,
+        params,
+        labels,
+        rng,
+        grid_shape=grid_shape,
+        codebook_size=codebook_size,
+        num_classes=num_classes,
+        num_samples=num_samples,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        guidance=guidance,
+    )
     decoded = vqgan_task.compiled_method(vqgan, "decode_indices")(vqgan_variables, codes)
     images = np.asarray(decoded) * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
     if path is not None:
@@ -361,27 +449,47 @@ def sample_images(model: gpt.GPT, params, vqgan, vqgan_variables, labels, rng, *
     return codes, images
 
 
-def sample_grid(state_or_params, config, model, rng, path: str | None = None,
-                per_class: int | None = None):
+def sample_grid(
+    state_or_params, config, model, rng, path: str | None = None, per_class: int | None = None
+):
     """Samples of every class with ``config.sampling``: ``(labels [n], images [n, H, W, C])``.
 
     ``per_class`` (default ``config.sampling.per_class``) samples of each class in turn, pixels
     in [0, 1] for a well trained VQGAN; with ``path``, saved there as a PNG with a row per class.
     """
-    params = _eval_params(state_or_params) if isinstance(state_or_params, TrainState) else state_or_params
+    params = (
+        _eval_params(state_or_params)
+        if isinstance(state_or_params, TrainState)
+        else state_or_params
+    )
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
     sampling = config.sampling
     per_class = per_class or sampling.per_class
     classes = max(config.num_classes, 1)
-    labels = np.repeat(np.arange(classes, dtype=np.int32), per_class) if config.num_classes else None
+    labels = (
+        np.repeat(np.arange(classes, dtype=np.int32), per_class) if config.num_classes else None
+    )
     _, images = sample_images(
-        model, params, vqgan.model, vqgan.variables, labels, rng,
-        grid_shape=vqgan.grid_shape, codebook_size=vqgan.model.n_embed,
-        num_classes=config.num_classes, num_samples=classes * per_class,
-        temperature=sampling.temperature, top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
+        model,
+        params,
+        vqgan.model,
+        vqgan.variables,
+        labels,
+        rng,
+        grid_shape=vqgan.grid_shape,
+        codebook_size=vqgan.model.n_embed,
+        num_classes=config.num_classes,
+        num_samples=classes * per_class,
+        temperature=sampling.temperature,
+        top_k=sampling.get("top_k"),
+        top_p=sampling.get("top_p"),
         guidance=sampling_guidance(config),
-        mean=vqgan.config.data.mean, std=vqgan.config.data.std, path=path, nrow=per_class,
-        scale=sampling.get("png_scale", 1))
+        mean=vqgan.config.data.mean,
+        std=vqgan.config.data.std,
+        path=path,
+        nrow=per_class,
+        scale=sampling.get("png_scale", 1),
+    )
     return labels, images
 
 

@@ -35,6 +35,7 @@ weighted by its examples: an eval batch holding the whole split gives the split'
 settings (``disc_loss``, ``disc_factor`` and ``disc_start`` at the state's step) with the
 discriminator in eval mode, per image, averaged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,11 +49,10 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax.models import vector_quantizer
-from attnjax.models.discriminator import NLayerDiscriminator
-from attnjax.models import lpips, quantizers, vqgan
-from attnjax.ops import vqgan_loss
 from attnjax.data.images import save_image_grid
+from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
+from attnjax.models.discriminator import NLayerDiscriminator
+from attnjax.ops import vqgan_loss
 from attnjax.train import optim
 
 
@@ -82,38 +82,51 @@ def _quantizer_options(config) -> dict:
 
 def _reseeds(config) -> bool:
     """Dead-code re-seeding applies to the learned codebook of kind "vq" only."""
-    return config.get("reseed_threshold", 0.0) > 0 and config.model.get("quantizer", {}).get("kind", "vq") == "vq"
+    return (
+        config.get("reseed_threshold", 0.0) > 0
+        and config.model.get("quantizer", {}).get("kind", "vq") == "vq"
+    )
 
 
 def create_model(config) -> dict:
     """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None, "lpips": LPIPS | None}``."""
     if _reseeds(config) and not config.model.get("quantizer", {}).get("usage_decay"):
-        raise ValueError("config.reseed_threshold > 0 needs config.model.quantizer.usage_decay > 0 "
-                         "(re-seeding reads the tracked per-code usage)")
+        raise ValueError(
+            "config.reseed_threshold > 0 needs config.model.quantizer.usage_decay > 0 "
+            "(re-seeding reads the tracked per-code usage)"
+        )
     autoencoder = create_autoencoder(config)
     discriminator = None
     if config.loss.get("disc_weight", 0.0) > 0:
         discriminator = NLayerDiscriminator(**config.discriminator.to_dict())
     lpips_model = None
     if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
-        logging.warning("config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
-                        "training WITHOUT the perceptual (LPIPS) term, i.e. perceptual weight 0.",
-                        config.loss.perceptual_weight)
+        logging.warning(
+            "config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
+            "training WITHOUT the perceptual (LPIPS) term, i.e. perceptual weight 0.",
+            config.loss.perceptual_weight,
+        )
     elif perceptual_weight(config):
         lpips_model = lpips.LPIPS()
     return {"autoencoder": autoencoder, "discriminator": discriminator, "lpips": lpips_model}
 
 
 def create_autoencoder(config) -> vqgan.VQGAN:
-    return vqgan.create_vqgan(config.model.ddconfig.to_dict(), config.model.n_embed, config.model.embed_dim,
-                              beta=config.model.get("beta", 0.25), quantizer=_quantizer_options(config),
-                              quantizer_factory=quantizers.make_quantizer)
+    return vqgan.create_vqgan(
+        config.model.ddconfig.to_dict(),
+        config.model.n_embed,
+        config.model.embed_dim,
+        beta=config.model.get("beta", 0.25),
+        quantizer=_quantizer_options(config),
+        quantizer_factory=quantizers.make_quantizer,
+    )
 
 
 def inference_model(config, variables):
     """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=True)``."""
-    return create_autoencoder(config), _autoencoder_variables(variables["params"],
-                                                              variables.get("quantizer_state"))
+    return create_autoencoder(config), _autoencoder_variables(
+        variables["params"], variables.get("quantizer_state")
+    )
 
 
 def _autoencoder_variables(params, quantizer_state) -> dict:
@@ -122,7 +135,9 @@ def _autoencoder_variables(params, quantizer_state) -> dict:
 
 def _optimizers(config):
     autoencoder = optim.make_optimizer(config)
-    disc = optim.make_optimizer(config, learning_rate=config.get("disc_learning_rate", config.learning_rate))
+    disc = optim.make_optimizer(
+        config, learning_rate=config.get("disc_learning_rate", config.learning_rate)
+    )
     return autoencoder, disc
 
 
@@ -142,10 +157,15 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     if model["lpips"] is not None:
         lpips_params = lpips.load_variables(config.lpips.weights)
         logging.info("LPIPS weights from %s", config.lpips.weights)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      quantizer_state=variables.get("vq_state", {}),
-                      opt_state=tx.init(params["autoencoder"]), disc_opt_state=disc_opt_state,
-                      batch_stats=batch_stats, lpips_params=lpips_params)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        quantizer_state=variables.get("vq_state", {}),
+        opt_state=tx.init(params["autoencoder"]),
+        disc_opt_state=disc_opt_state,
+        batch_stats=batch_stats,
+        lpips_params=lpips_params,
+    )
 
 
 def _rgb(x):
@@ -163,7 +183,9 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     if axis_name is not None:
         # Under pmap the quantizer's batch statistics (usage, LFQ's entropy of the mean code
         # distribution) must span every device's examples, not one device's.
-        autoencoder = autoencoder.clone(quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name})
+        autoencoder = autoencoder.clone(
+            quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name}
+        )
     tx, disc_tx = _optimizers(config)
     x, step, loss_config = batch["image"], state.step, config.loss
     perceptual = _perceptual_fn(state, model, config)
@@ -175,73 +197,112 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
 
     def loss_fn(ae_params):
         variables = {"params": ae_params, "vq_state": state.quantizer_state}
-        (rec, aux), updated = autoencoder.apply(variables, x, train=True, mutable=["vq_state", "intermediates"],
-                                                rngs={"dropout": rng})
+        (rec, aux), updated = autoencoder.apply(
+            variables, x, train=True, mutable=["vq_state", "intermediates"], rngs={"dropout": rng}
+        )
         features = updated["intermediates"]["decoder"]["pre_conv_out"][0]
         loss, log = vqgan_loss.generator_loss(
-            x, rec, aux["loss"], discriminator=discriminator if disc is not None else None, step=step,
-            last_layer=(features, ae_params["decoder"]["conv_out"]["kernel"]), perceptual=perceptual,
+            x,
+            rec,
+            aux["loss"],
+            discriminator=discriminator if disc is not None else None,
+            step=step,
+            last_layer=(features, ae_params["decoder"]["conv_out"]["kernel"]),
+            perceptual=perceptual,
             perceptual_weight=perceptual_weight(config),
-            codebook_weight=loss_config.get("codebook_weight", 1.0), disc_start=disc_start,
-            disc_factor=loss_config.get("disc_factor", 1.0), disc_weight=loss_config.get("disc_weight", 0.0))
+            codebook_weight=loss_config.get("codebook_weight", 1.0),
+            disc_start=disc_start,
+            disc_factor=loss_config.get("disc_factor", 1.0),
+            disc_weight=loss_config.get("disc_weight", 0.0),
+        )
         stats = {k: aux[k] for k in ("perplexity", "codebook_usage")}
         return loss, (log, stats, rec, aux["latents"], updated.get("vq_state", {}))
 
     (loss, (log, stats, rec, latents, vq_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params["autoencoder"])
+        state.params["autoencoder"]
+    )
     metrics = {"loss": loss, **log, **stats}
     if axis_name is not None:
         grads, metrics, vq_state = jax.lax.pmean((grads, metrics, vq_state), axis_name)
         latents = jax.lax.all_gather(latents, axis_name, tiled=True)
     updates, opt_state = tx.update(grads, state.opt_state, state.params["autoencoder"])
-    params = dict(state.params, autoencoder=optax.apply_updates(state.params["autoencoder"], updates))
+    params = dict(
+        state.params, autoencoder=optax.apply_updates(state.params["autoencoder"], updates)
+    )
     metrics["grad_norm"] = optax.global_norm(grads)
     metrics["learning_rate"] = optim.learning_rate_at(config, step)
 
     disc_opt_state, batch_stats = state.disc_opt_state, state.batch_stats
     if disc is not None:
         params, disc_opt_state, batch_stats, disc_metrics = _discriminator_update(
-            state, params, x, jax.lax.stop_gradient(rec), disc, disc_tx, loss_config, axis_name)
+            state, params, x, jax.lax.stop_gradient(rec), disc, disc_tx, loss_config, axis_name
+        )
         metrics.update(disc_metrics)
 
     if _reseeds(config):
         # The same key on every device: the reseeded codebook must stay replicated.
         key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1), step)
         autoencoder_params, vq_state, reseeded = vector_quantizer.reseed_dead_codes(
-            params["autoencoder"], vq_state, latents, key, config.reseed_threshold)
+            params["autoencoder"], vq_state, latents, key, config.reseed_threshold
+        )
         params = dict(params, autoencoder=autoencoder_params)
         metrics["reseeded_codes"] = reseeded.astype(jnp.float32)
-    new_state = state.replace(step=step + 1, params=params, quantizer_state=vq_state, opt_state=opt_state,
-                              disc_opt_state=disc_opt_state, batch_stats=batch_stats)
+    new_state = state.replace(
+        step=step + 1,
+        params=params,
+        quantizer_state=vq_state,
+        opt_state=opt_state,
+        disc_opt_state=disc_opt_state,
+        batch_stats=batch_stats,
+    )
     new_state, metrics["nonfinite"] = optim.guard_nonfinite(
-        state, new_state, metrics["loss"], metrics["grad_norm"], config.get("nonfinite", "stop"))
+        state, new_state, metrics["loss"], metrics["grad_norm"], config.get("nonfinite", "stop")
+    )
     return new_state, metrics
 
 
 def _discriminator_loss(logits_real, logits_fake, step, loss_config):
     """``vqgan_loss.discriminator_loss`` with the config's settings (training and eval share it)."""
     return vqgan_loss.discriminator_loss(
-        logits_real, logits_fake, step=step, disc_start=int(loss_config.get("disc_start", 0)),
-        disc_factor=loss_config.get("disc_factor", 1.0), kind=loss_config.get("disc_loss", "hinge"))
+        logits_real,
+        logits_fake,
+        step=step,
+        disc_start=int(loss_config.get("disc_start", 0)),
+        disc_factor=loss_config.get("disc_factor", 1.0),
+        kind=loss_config.get("disc_loss", "hinge"),
+    )
 
 
 def _discriminator_update(state, params, x, rec, disc, disc_tx, loss_config, axis_name):
 
     def d_loss_fn(d_params):
         # Real and fake in separate calls, as taming: each gets its own batch statistics.
-        real, updated = disc.apply({"params": d_params, "batch_stats": state.batch_stats}, x, train=True,
-                                   mutable=["batch_stats"])
-        fake, updated = disc.apply({"params": d_params, **updated}, rec, train=True, mutable=["batch_stats"])
+        real, updated = disc.apply(
+            {"params": d_params, "batch_stats": state.batch_stats},
+            x,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        fake, updated = disc.apply(
+            {"params": d_params, **updated}, rec, train=True, mutable=["batch_stats"]
+        )
         loss, log = _discriminator_loss(real, fake, state.step, loss_config)
         return loss, (log, updated["batch_stats"])
 
     # Before disc_start the loss is 0 x the d-loss: zero gradients, and Adam's update of zero
     # moments is zero, so the discriminator stays put (its BatchNorm statistics move, as taming's).
-    (_, (log, batch_stats)), grads = jax.value_and_grad(d_loss_fn, has_aux=True)(params["discriminator"])
+    (_, (log, batch_stats)), grads = jax.value_and_grad(d_loss_fn, has_aux=True)(
+        params["discriminator"]
+    )
     if axis_name is not None:
         grads, log, batch_stats = jax.lax.pmean((grads, log, batch_stats), axis_name)
     updates, opt_state = disc_tx.update(grads, state.disc_opt_state, params["discriminator"])
-    return dict(params, discriminator=optax.apply_updates(params["discriminator"], updates)), opt_state, batch_stats, log
+    return (
+        dict(params, discriminator=optax.apply_updates(params["discriminator"], updates)),
+        opt_state,
+        batch_stats,
+        log,
+    )
 
 
 def _to_unit_range(images, data_config):
@@ -254,13 +315,20 @@ def eval_step(state: TrainState, batch, *, config, model):
     rec, aux = autoencoder.apply(_autoencoder_variables(state.params, state.quantizer_state), x)
     per_image = lambda v: jnp.mean(v, axis=tuple(range(1, v.ndim)))
     l1 = per_image(jnp.abs(x - rec))
-    mse = per_image((_to_unit_range(x, config.data) - jnp.clip(_to_unit_range(rec, config.data), 0.0, 1.0)) ** 2)
+    mse = per_image(
+        (_to_unit_range(x, config.data) - jnp.clip(_to_unit_range(rec, config.data), 0.0, 1.0)) ** 2
+    )
     psnr = -10.0 * jnp.log10(jnp.maximum(mse, 1e-10))
     count = jnp.sum(mask)
     indices = aux["indices"]
     codebook = vector_quantizer.codebook_statistics(indices, autoencoder.n_embed, mask)
-    sums = {"l1": jnp.sum(l1 * mask), "psnr": jnp.sum(psnr * mask), "count": count,
-            "perplexity": codebook["perplexity"] * count, "codebook_usage": codebook["codebook_usage"] * count}
+    sums = {
+        "l1": jnp.sum(l1 * mask),
+        "psnr": jnp.sum(psnr * mask),
+        "count": count,
+        "perplexity": codebook["perplexity"] * count,
+        "codebook_usage": codebook["codebook_usage"] * count,
+    }
     if disc is not None:
         disc_vars = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
         real, fake = disc.apply(disc_vars, x), disc.apply(disc_vars, rec)
@@ -268,7 +336,9 @@ def eval_step(state: TrainState, batch, *, config, model):
         # images too, so sum / count over the real examples is the loss of the whole eval set.
         one = lambda a: a[None]
         g_loss = jax.vmap(lambda f: vqgan_loss.adversarial_generator_loss(one(f)))(fake)
-        d_loss = jax.vmap(lambda r, f: _discriminator_loss(one(r), one(f), state.step, config.loss)[0])(real, fake)
+        d_loss = jax.vmap(
+            lambda r, f: _discriminator_loss(one(r), one(f), state.step, config.loss)[0]
+        )(real, fake)
         sums["g_loss"] = jnp.sum(g_loss * mask)
         sums["disc_loss"] = jnp.sum(d_loss * mask)
     return sums
@@ -283,7 +353,10 @@ def compiled_method(model: vqgan.VQGAN, method_name: str):
     they are keyed by identity, and kept here so that the identity is never reused."""
     key = (id(model), method_name)
     if key not in _COMPILED:
-        _COMPILED[key] = (model, jax.jit(functools.partial(model.apply, method=getattr(type(model), method_name))))
+        _COMPILED[key] = (
+            model,
+            jax.jit(functools.partial(model.apply, method=getattr(type(model), method_name))),
+        )
     return _COMPILED[key][1]
 
 
@@ -297,13 +370,17 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     columns = 16
     pairs = []
     for start in range(0, n, columns):
-        pairs += [inputs[start:start + columns], recs[start:start + columns]]
-    save_image_grid(np.concatenate(pairs), os.path.join(workdir, "reconstructions.png"), columns, scale=4)
+        pairs += [inputs[start : start + columns], recs[start : start + columns]]
+    save_image_grid(
+        np.concatenate(pairs), os.path.join(workdir, "reconstructions.png"), columns, scale=4
+    )
 
 
 def decode_every_code(model: vqgan.VQGAN, variables, grid_shape) -> np.ndarray:
     """Each code decoded alone (a token grid filled with it): ``[n_embed, H, W, C]``."""
-    indices = jnp.broadcast_to(jnp.arange(model.n_embed)[:, None, None], (model.n_embed, *grid_shape))
+    indices = jnp.broadcast_to(
+        jnp.arange(model.n_embed)[:, None, None], (model.n_embed, *grid_shape)
+    )
     return np.asarray(compiled_method(model, "decode_indices")(variables, indices))
 
 
@@ -312,6 +389,8 @@ def finalize(state: TrainState, metrics, *, config, model, workdir):
     autoencoder = model["autoencoder"]
     size = config.data.image_size // autoencoder.downsample_factor
     variables = _autoencoder_variables(state.params, state.quantizer_state)
-    decoded = np.asarray(_to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data))
+    decoded = np.asarray(
+        _to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data)
+    )
     save_image_grid(decoded, os.path.join(workdir, "codebook.png"), 16, scale=3)
     return {}

@@ -16,18 +16,20 @@ are derived from ``(seed, step)``), so it continues exactly where it stopped. A 
 restores onto any mesh (its arrays are resharded to the target's layout), e.g. one written by
 8 devices with sharded parameters restores whole on one device for inference.
 """
+
 from __future__ import annotations
 
 import json
 import logging as std_logging
 import os
+
 import flax.serialization
-from etils import epath
 import grain
 import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from attnjax.train import checkpoint_integrity
 
@@ -78,13 +80,17 @@ def check_compatible(workdir: str, config) -> None:
     if latest_step(workdir) is None or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
         return
     saved, current = _jsonable(read_config(workdir)), _jsonable(config)
-    differ = {k: (saved.get(k), current.get(k)) for k in IDENTITY_FIELDS
-              if saved.get(k) != current.get(k)}
+    differ = {
+        k: (saved.get(k), current.get(k)) for k in IDENTITY_FIELDS if saved.get(k) != current.get(k)
+    }
     if differ:
-        details = "; ".join(f"config.{k}: checkpoint has {a!r}, config has {b!r}"
-                            for k, (a, b) in differ.items())
-        raise ValueError(f"workdir {workdir!r} holds checkpoints of a different model ({details}). "
-                         f"Use a new --workdir, or the original config to resume.")
+        details = "; ".join(
+            f"config.{k}: checkpoint has {a!r}, config has {b!r}" for k, (a, b) in differ.items()
+        )
+        raise ValueError(
+            f"workdir {workdir!r} holds checkpoints of a different model ({details}). "
+            f"Use a new --workdir, or the original config to resume."
+        )
 
 
 class Checkpointer:
@@ -96,7 +102,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             _checkpoint_dir(workdir),
             options=ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, create=True),
-            item_names=("state", "data"))
+            item_names=("state", "data"),
+        )
         self.best_metric = config.get("best_metric", "")
         self.best_manager = None
         if self.best_metric:
@@ -107,19 +114,29 @@ class Checkpointer:
             self.best_manager = ocp.CheckpointManager(
                 _checkpoint_dir(workdir, best=True),
                 options=ocp.CheckpointManagerOptions(
-                    max_to_keep=1, best_fn=lambda m: float(m[metric]), best_mode=mode, create=True,
+                    max_to_keep=1,
+                    best_fn=lambda m: float(m[metric]),
+                    best_mode=mode,
+                    create=True,
                     # Both managers may save the same step; Orbax names its cross-process
                     # barriers by step, so they need distinct prefixes not to collide.
                     multiprocessing_options=ocp.options.MultiprocessingOptions(
-                        barrier_sync_key_prefix="best")),
-                item_names=("state",))
+                        barrier_sync_key_prefix="best"
+                    ),
+                ),
+                item_names=("state",),
+            )
 
     def save(self, step: int, state, data_state: dict) -> None:
         """``state``: host or global device arrays; ``data_state``: this process's iterator."""
         try:
-            self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
-                data=grain.checkpoint.CheckpointSave(_IteratorState(data_state))))
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
+                    data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
+                ),
+            )
         except Exception as error:  # an earlier asynchronous write's failure surfaces here
             checkpoint_integrity.raise_if_disk_full(error, str(self.manager.directory))
             raise
@@ -128,15 +145,20 @@ class Checkpointer:
         if self.best_manager is None:
             return
         if self.best_metric not in metrics:
-            raise ValueError(f"config.best_metric={self.best_metric!r} is not among the eval "
-                             f"metrics {sorted(metrics)}.")
+            raise ValueError(
+                f"config.best_metric={self.best_metric!r} is not among the eval "
+                f"metrics {sorted(metrics)}."
+            )
         if not np.isfinite(metrics[self.best_metric]):
             return  # a NaN would compare as "best" and push out the real best checkpoint
         try:
             self.best_manager.save(
-                step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))),
-                metrics={k: float(v) for k, v in metrics.items()})
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(flax.serialization.to_state_dict(state))
+                ),
+                metrics={k: float(v) for k, v in metrics.items()},
+            )
         except Exception as error:  # an earlier asynchronous write's failure surfaces here too
             checkpoint_integrity.raise_if_disk_full(error, str(self.best_manager.directory))
             raise
@@ -146,11 +168,16 @@ class Checkpointer:
         arrays on one process) -> the restored state; ``iterator`` (this process's train
         iterator) is set to its saved position."""
         step = self.manager.latest_step() if step is None else step
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                              flax.serialization.to_state_dict(state))
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data=grain.checkpoint.CheckpointRestore(iterator)))
+        target = jax.tree.map(
+            ocp.utils.to_shape_dtype_struct, flax.serialization.to_state_dict(state)
+        )
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target),
+                data=grain.checkpoint.CheckpointRestore(iterator),
+            ),
+        )
         return flax.serialization.from_state_dict(state, restored["state"])
 
     def restore_intact(self, state, iterator):
@@ -160,8 +187,11 @@ class Checkpointer:
         if not steps:
             return None, state
         return checkpoint_integrity.restore_newest_intact(
-            str(self.manager.directory), steps, lambda step: self.restore(state, iterator, step),
-            on_moved=self.manager.reload)
+            str(self.manager.directory),
+            steps,
+            lambda step: self.restore(state, iterator, step),
+            on_moved=self.manager.reload,
+        )
 
     def close(self) -> None:
         """Waits for pending asynchronous writes."""
@@ -186,8 +216,14 @@ class _IteratorState:
         return json.dumps(self.state, indent=2).encode()
 
 
-def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: bool = True,
-         variables: bool = False):
+def load(
+    workdir: str,
+    *,
+    step: int | None = None,
+    best: bool = False,
+    use_ema: bool = True,
+    variables: bool = False,
+):
     """Loads a trained run: ``(config, params)``.
 
     Args:
@@ -223,14 +259,20 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
         if step is None:
             raise FileNotFoundError(f"no checkpoints under {directory!r}.")
         # Whole arrays on every device, whatever mesh wrote them.
-        whole = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)),
-                                           jax.sharding.PartitionSpec())
-        saved = ocp.StandardCheckpointHandler().metadata(
-            epath.Path(directory) / str(step) / "state").tree
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=whole),
-                              saved)
-        state = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target)))
+        whole = jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.sharding.PartitionSpec()
+        )
+        saved = (
+            ocp.StandardCheckpointHandler()
+            .metadata(epath.Path(directory) / str(step) / "state")
+            .tree
+        )
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=whole), saved
+        )
+        state = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )
     state = jax.tree.map(np.asarray, state["state"])
     params = state["params"]
     if use_ema and state.get("ema_params") is not None:
@@ -240,4 +282,3 @@ def load(workdir: str, *, step: int | None = None, best: bool = False, use_ema: 
     out = {"params": params}
     out.update({name: state[name] for name in VARIABLE_FIELDS if state.get(name)})
     return config, out
-

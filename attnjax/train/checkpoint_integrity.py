@@ -7,6 +7,7 @@ restored; then the newest checkpoint that restores, with finite values, is used 
 each damaged one is moved to ``damaged-<step>`` beside it (kept for inspection, never
 deleted; Orbax ignores names that are not step numbers).
 """
+
 from __future__ import annotations
 
 import errno
@@ -50,8 +51,12 @@ def move_aside(directory: str, step: int) -> str:
     return target
 
 
-def restore_newest_intact(directory: str, steps: list[int], restore: Callable[[int], Any],
-                          on_moved: Callable[[], None] = lambda: None):
+def restore_newest_intact(
+    directory: str,
+    steps: list[int],
+    restore: Callable[[int], Any],
+    on_moved: Callable[[], None] = lambda: None,
+):
     """``restore(step) -> state`` of the newest of ``steps`` that restores with finite values
     -> ``(step, state)``; damaged ones are moved aside with a warning
     and ``on_moved()`` called (to rescan the directory). Raises ``DamagedCheckpointError``
@@ -67,18 +72,25 @@ def restore_newest_intact(directory: str, steps: list[int], restore: Callable[[i
             if jax.process_index() == 0:
                 aside = move_aside(directory, step)
                 on_moved()
-                logging.warning("checkpoint %d in %s is damaged (%s: %s); moved to %s, trying "
-                                "the one before", step, directory, type(error).__name__, reason,
-                                aside)
+                logging.warning(
+                    "checkpoint %d in %s is damaged (%s: %s); moved to %s, trying the one before",
+                    step,
+                    directory,
+                    type(error).__name__,
+                    reason,
+                    aside,
+                )
             damaged.append(step)
             continue
         if damaged:
-            logging.warning("resuming from step %d: the newer checkpoint(s) %s were damaged",
-                            step, damaged)
+            logging.warning(
+                "resuming from step %d: the newer checkpoint(s) %s were damaged", step, damaged
+            )
         return step, state
     raise DamagedCheckpointError(
         f"no intact checkpoint in {directory}: step(s) {damaged} could not be restored (moved "
-        f"to {DAMAGED_PREFIX}<step> for inspection); start a new --workdir, or move one back.")
+        f"to {DAMAGED_PREFIX}<step> for inspection); start a new --workdir, or move one back."
+    )
 
 
 def disk_full_errno(error: BaseException) -> int | None:
@@ -101,6 +113,8 @@ def raise_if_disk_full(error: BaseException, directory: str) -> None:
     if code is None:
         return
     raise CheckpointWriteError(
-        code, f"could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
-              f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
-              f"(or raise the file size limit) and rerun the same command") from error
+        code,
+        f"could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
+        f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
+        f"(or raise the file size limit) and rerun the same command",
+    ) from error

@@ -13,6 +13,7 @@ forever) and the launcher exits with the failed process's code (128 + N when sig
 it); 0 when all succeed.
 On a GPU cluster or TPU pod use the scheduler instead (see docs/scaling.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(base: dict, *, index: int, count: int, port: int,
-                devices_per_process: int) -> dict:
-    env = dict(base, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(count),
-               JAX_PROCESS_ID=str(index), PYTHONUNBUFFERED="1")
+def process_env(base: dict, *, index: int, count: int, port: int, devices_per_process: int) -> dict:
+    env = dict(
+        base,
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(count),
+        JAX_PROCESS_ID=str(index),
+        PYTHONUNBUFFERED="1",
+    )
     if devices_per_process:
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
         env["XLA_FLAGS"] = " ".join(flags)
         env["JAX_PLATFORMS"] = "cpu"
@@ -67,25 +75,36 @@ def _kill(procs) -> None:
             time.sleep(0.05)
 
 
-def launch(command: list[str], processes: int, devices_per_process: int = 0,
-           port: int = 0) -> int:
+def launch(command: list[str], processes: int, devices_per_process: int = 0, port: int = 0) -> int:
     """Runs ``python command...`` on ``processes`` processes -> the exit code (0: all ok)."""
     if processes < 1:
         raise ValueError(f"--processes={processes}; expected at least 1.")
     if devices_per_process < 0:
         raise ValueError(f"--devices-per-process={devices_per_process}; expected >= 0.")
     if not command:
-        raise ValueError("no command after '--'; expected e.g. -- train.py --config ... "
-                         "--workdir ...")
+        raise ValueError(
+            "no command after '--'; expected e.g. -- train.py --config ... --workdir ..."
+        )
     port = port or free_port()
     lock = threading.Lock()
     procs, threads = [], []
     for index in range(processes):
-        env = process_env(os.environ, index=index, count=processes, port=port,
-                          devices_per_process=devices_per_process)
+        env = process_env(
+            os.environ,
+            index=index,
+            count=processes,
+            port=port,
+            devices_per_process=devices_per_process,
+        )
         # Own session per process: killing it also ends its children (data workers).
-        proc = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, *command],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         procs.append(proc)
         with lock:
             print(f"[launch] process {index}: pid {proc.pid}", flush=True)
@@ -101,13 +120,16 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0,
     try:
         code = 0
         while [p.poll() for p in procs].count(None):  # polls every one (any() would stop early)
-            failed = [(i, p.returncode) for i, p in enumerate(procs)
-                      if p.returncode not in (None, 0)]
+            failed = [
+                (i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)
+            ]
             if failed:
                 index, code = failed[0]
                 with lock:
-                    print(f"[launch] process {index} exited with {code}; stopping the others",
-                          flush=True)
+                    print(
+                        f"[launch] process {index} exited with {code}; stopping the others",
+                        flush=True,
+                    )
                 _kill(procs)
                 break
             time.sleep(0.1)
@@ -124,13 +146,19 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m attnjax.train.launch",
-        description="Run a JAX program on several local processes (see module docstring).")
+        description="Run a JAX program on several local processes (see module docstring).",
+    )
     parser.add_argument("--processes", type=int, required=True, help="number of processes")
-    parser.add_argument("--devices-per-process", type=int, default=0,
-                        help="simulated CPU devices per process (0: the platform's own)")
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=0,
+        help="simulated CPU devices per process (0: the platform's own)",
+    )
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="-- script.py [args...], run with this Python")
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- script.py [args...], run with this Python"
+    )
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:

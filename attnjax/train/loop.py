@@ -8,6 +8,7 @@ Per-step RNG keys are ``fold_in(key(seed), step)``, the data stream is a functio
 and the iterator position, and both the state and the iterator position are checkpointed, so a
 resumed run computes exactly what an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,23 +32,39 @@ from attnjax.train import (
     workdir_lock,
 )
 
-LOOP_FIELDS = ("task", "seed", "num_train_steps", "batch_size", "log_every", "eval_every",
-               "checkpoint_every", "max_to_keep")
+LOOP_FIELDS = (
+    "task",
+    "seed",
+    "num_train_steps",
+    "batch_size",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "max_to_keep",
+)
 
 
 def _check_loop_fields(config) -> None:
     missing = [k for k in LOOP_FIELDS if k not in config]
     if missing:
         raise ValueError(f"config lacks the training-loop field(s) {missing}.")
-    for key in ("num_train_steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
-                "max_to_keep"):
+    for key in (
+        "num_train_steps",
+        "batch_size",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "max_to_keep",
+    ):
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
     nonfinite.check_config(config)
     parallel.cpu_devices_wanted(config)  # rejects a negative config.cpu_devices
 
 
-def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, workdir, step) -> dict:
+def evaluate(
+    task, dp, compiled_eval_step, state, datasets, *, config, model, workdir, step
+) -> dict:
     """Runs the eval set once -> ``{"eval/<name>": sum / count}``; writes the task's images."""
     totals, first = None, None
     for batch in data.make_iterator(datasets.eval, config.get("data")):
@@ -60,8 +77,7 @@ def evaluate(task, dp, compiled_eval_step, state, datasets, *, config, model, wo
     if hasattr(task, "write_images"):
         whole = dp.to_host(state)  # a collective: every process takes part
         if jax.process_index() == 0:
-            task.write_images(whole, first, config=config, model=model, workdir=workdir,
-                              step=step)
+            task.write_images(whole, first, config=config, model=model, workdir=workdir, step=step)
     return metrics
 
 
@@ -73,7 +89,12 @@ class _StepKeys:
     loop run ahead of the device, as it does with batches. Same keys as folding in one by one."""
 
     def __init__(self, train_rng, chunk: int):
-        self.train_rng, self.chunk, self.first, self.keys = train_rng, max(int(chunk), 1), None, None
+        self.train_rng, self.chunk, self.first, self.keys = (
+            train_rng,
+            max(int(chunk), 1),
+            None,
+            None,
+        )
 
     def __call__(self, index: int) -> np.ndarray:
         if self.first is None or not self.first <= index < self.first + self.chunk:
@@ -94,16 +115,21 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     """
     _check_loop_fields(config)
     parallel.maybe_initialize_distributed(config)
-    dp = parallel.DataParallel(config.get("parallel", "jit"), config.batch_size,
-                               config.get("eval_batch_size") or None,
-                               mesh=config.get("mesh", None), rules=sharding.rules_for(config),
-                               devices=parallel.run_devices(config))
+    dp = parallel.DataParallel(
+        config.get("parallel", "jit"),
+        config.batch_size,
+        config.get("eval_batch_size") or None,
+        mesh=config.get("mesh", None),
+        rules=sharding.rules_for(config),
+        devices=parallel.run_devices(config),
+    )
     checkpoint.check_compatible(workdir, config)
 
     model = task.create_model(config)
     make_datasets = getattr(task, "make_datasets", data.make_datasets)
-    datasets = make_datasets(config, process_index=jax.process_index(),
-                             process_count=jax.process_count())
+    datasets = make_datasets(
+        config, process_index=jax.process_index(), process_count=jax.process_count()
+    )
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
@@ -124,17 +150,25 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     start = start or 0
     if is_main:
         checkpoint.write_config(workdir, config)
-    logging.info("%s: %d train / %d eval examples, %d devices (%s), global batch %d",
-                 config.task, datasets.num_train_examples, datasets.num_eval_examples,
-                 dp.mesh.size, dp.mode, config.batch_size)
+    logging.info(
+        "%s: %d train / %d eval examples, %d devices (%s), global batch %d",
+        config.task,
+        datasets.num_train_examples,
+        datasets.num_eval_examples,
+        dp.mesh.size,
+        dp.mode,
+        config.batch_size,
+    )
 
     if dp.mode == "pmap":
         state = dp.place_state(state)
     compiled_train_step = dp.compile_train_step(
         functools.partial(task.train_step, config=config, model=model),
-        dp.state_shardings(state) if dp.mode == "jit" else None)
+        dp.state_shardings(state) if dp.mode == "jit" else None,
+    )
     compiled_eval_step = dp.compile_eval_step(
-        functools.partial(task.eval_step, config=config, model=model))
+        functools.partial(task.eval_step, config=config, model=model)
+    )
     batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
     writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
     watch = nonfinite.NonfiniteWatch(config, start)
@@ -149,8 +183,14 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     result: dict = {"step": start}
     pending, data_state = [], None
     train_time, timed_steps, tick = 0.0, 0, time.perf_counter()
-    bar = tqdm.tqdm(total=num_steps, initial=start, desc=config.task, unit="step",
-                    disable=not is_main or config.get("quiet", False), dynamic_ncols=True)
+    bar = tqdm.tqdm(
+        total=num_steps,
+        initial=start,
+        desc=config.task,
+        unit="step",
+        disable=not is_main or config.get("quiet", False),
+        dynamic_ncols=True,
+    )
     stop = preemption.StopRequest().__enter__()
     try:
         for step in range(start + 1, num_steps + 1):
@@ -179,8 +219,17 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
                 pending = []
             if step % config.eval_every == 0 or step == num_steps:
                 check_pending_finite(step)
-                eval_metrics = evaluate(task, dp, compiled_eval_step, state, datasets, config=config,
-                                        model=model, workdir=workdir, step=step)
+                eval_metrics = evaluate(
+                    task,
+                    dp,
+                    compiled_eval_step,
+                    state,
+                    datasets,
+                    config=config,
+                    model=model,
+                    workdir=workdir,
+                    step=step,
+                )
                 writer.write(step, eval_metrics)
                 result.update(eval_metrics)
                 bar.write(report.format_table(step, eval_metrics))
@@ -193,14 +242,28 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             tick = time.perf_counter() if step % config.log_every == 0 else tick
             if preempted and step < num_steps:
                 # Raised before the `finally` below, whose ckpt.close() waits for the write.
-                raise preemption.Preempted(step, str(ckpt.manager.directory),
-                                           stop.signal_name)
+                raise preemption.Preempted(step, str(ckpt.manager.directory), stop.signal_name)
         if start >= num_steps:  # already finished: report the final evaluation again
-            result.update(evaluate(task, dp, compiled_eval_step, state, datasets, config=config, model=model,
-                                   workdir=workdir, step=start))
+            result.update(
+                evaluate(
+                    task,
+                    dp,
+                    compiled_eval_step,
+                    state,
+                    datasets,
+                    config=config,
+                    model=model,
+                    workdir=workdir,
+                    step=start,
+                )
+            )
         if hasattr(task, "finalize"):
-            result.update(task.finalize(dp.to_host(state), result, config=config,
-                                        model=model, workdir=workdir) or {})
+            result.update(
+                task.finalize(
+                    dp.to_host(state), result, config=config, model=model, workdir=workdir
+                )
+                or {}
+            )
     except Exception as error:
         # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
         # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).

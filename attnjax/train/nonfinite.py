@@ -9,6 +9,7 @@ guard adds no device-to-host sync per step and no checkpoint is written past a s
 step; ``"skip"`` counts dropped steps and raises once ``config.max_skipped_steps`` (default
 10) follow each other.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -56,7 +57,8 @@ class NonfiniteWatch:
                     f"the loss or gradient norm became non-finite at step {step} "
                     f"(config.nonfinite='stop'); nothing from step {step} on was saved and the "
                     f"earlier checkpoints are kept; lower config.learning_rate, or set "
-                    f"config.nonfinite='skip' to drop such steps.")
+                    f"config.nonfinite='skip' to drop such steps."
+                )
             self.skipped += 1
             self.in_a_row += 1
             logging.warning("step %d: non-finite loss or gradient norm, update dropped", step)
@@ -64,4 +66,5 @@ class NonfiniteWatch:
                 raise NonFiniteError(
                     f"{self.in_a_row} steps in a row up to step {step} had a non-finite loss or "
                     f"gradient norm (config.max_skipped_steps={self.limit}); lower "
-                    f"config.learning_rate.")
+                    f"config.learning_rate."
+                )

@@ -16,6 +16,7 @@ Config fields (all top level, so ``--config.learning_rate=1e-3`` works)::
                      norm does (see ``guard_nonfinite``); ``max_skipped_steps`` in a row end a
                      "skip" run
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,6 +34,7 @@ DECAY_NAMES = ("kernel",)
 
 def decay_mask(params):
     """True for leaves whose last path entry is in ``DECAY_NAMES``."""
+
     def is_decayed(path, _):
         last = path[-1]
         name = getattr(last, "key", getattr(last, "name", None))
@@ -48,8 +50,12 @@ def make_schedule(config, learning_rate: float | None = None) -> optax.Schedule:
     decay_steps = max(config.num_train_steps // accum, 1)
     warmup = min(config.get("warmup_steps", 0) // accum, decay_steps - 1)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=decay_steps,
-        end_value=peak * config.get("min_lr_ratio", 0.0))
+        init_value=0.0,
+        peak_value=peak,
+        warmup_steps=warmup,
+        decay_steps=decay_steps,
+        end_value=peak * config.get("min_lr_ratio", 0.0),
+    )
 
 
 def learning_rate_at(config, step, schedule: optax.Schedule | None = None):
@@ -58,8 +64,9 @@ def learning_rate_at(config, step, schedule: optax.Schedule | None = None):
     return schedule(step // max(config.get("grad_accum_steps", 1), 1))
 
 
-def make_optimizer(config, learning_rate: float | None = None,
-                   b1: float | None = None) -> optax.GradientTransformation:
+def make_optimizer(
+    config, learning_rate: float | None = None, b1: float | None = None
+) -> optax.GradientTransformation:
     """The optax transformation described by the config (see module docstring).
 
     ``learning_rate``/``b1`` override the config's (e.g. a task's second optimiser).
@@ -68,17 +75,27 @@ def make_optimizer(config, learning_rate: float | None = None,
     schedule = make_schedule(config, learning_rate)
     weight_decay = config.get("weight_decay", 0.0)
     if name == "adamw":
-        tx = optax.adamw(schedule, b1=config.get("b1", 0.9) if b1 is None else b1,
-                         b2=config.get("b2", 0.999), eps=config.get("eps", 1e-8),
-                         weight_decay=weight_decay, mask=decay_mask)
+        tx = optax.adamw(
+            schedule,
+            b1=config.get("b1", 0.9) if b1 is None else b1,
+            b2=config.get("b2", 0.999),
+            eps=config.get("eps", 1e-8),
+            weight_decay=weight_decay,
+            mask=decay_mask,
+        )
     elif name == "sgd":
         tx = optax.chain(
             optax.add_decayed_weights(weight_decay, mask=decay_mask),
-            optax.sgd(schedule, momentum=config.get("momentum", 0.9),
-                      nesterov=config.get("nesterov", False)))
+            optax.sgd(
+                schedule,
+                momentum=config.get("momentum", 0.9),
+                nesterov=config.get("nesterov", False),
+            ),
+        )
     else:
-        raise ValueError(f"config.optimizer={name!r} is not supported; expected one of "
-                         f"{OPTIMIZERS}.")
+        raise ValueError(
+            f"config.optimizer={name!r} is not supported; expected one of {OPTIMIZERS}."
+        )
     if config.get("grad_clip_norm", 0.0):
         tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
     accum = config.get("grad_accum_steps", 1)
@@ -108,15 +125,20 @@ def apply_gradients(state: TrainState, grads, metrics: dict, *, config, tx, axis
         grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads),
-                   learning_rate=learning_rate_at(config, state.step))
+    metrics = dict(
+        metrics,
+        grad_norm=optax.global_norm(grads),
+        learning_rate=learning_rate_at(config, state.step),
+    )
     ema = state.ema_params
     if ema is not None:
         ema = ema_update(ema, params, config.ema_decay)
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              ema_params=ema)
+    new_state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema
+    )
     new_state, metrics["nonfinite"] = guard_nonfinite(
-        state, new_state, metrics["loss"], metrics["grad_norm"], config.get("nonfinite", "stop"))
+        state, new_state, metrics["loss"], metrics["grad_norm"], config.get("nonfinite", "stop")
+    )
     return new_state, metrics
 
 
@@ -140,6 +162,6 @@ def guard_nonfinite(old_state, new_state, loss, grad_norm, mode: str):
 
 def ema_update(ema_params, params, decay: float):
     """``decay * ema + (1 - decay) * params``, leaf by leaf."""
-    return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p.astype(e.dtype),
-                        ema_params, params)
-
+    return jax.tree.map(
+        lambda e, p: decay * e + (1.0 - decay) * p.astype(e.dtype), ema_params, params
+    )

@@ -17,6 +17,7 @@ current step runs, so no host-to-device copy sits between two steps.
 Several processes (hosts): ``maybe_initialize_distributed`` joins them into one JAX runtime
 before any device is touched; ``python -m attnjax.train.launch`` starts them on one machine.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,7 +29,8 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from attnjax.train import sharding
 
@@ -60,23 +62,37 @@ def maybe_initialize_distributed(config=None) -> None:
     data through gloo (the CPU client has no collectives across processes otherwise).
     """
     wanted = (config is not None and config.get("distributed", False)) or os.environ.get(
-        ENV_COORDINATOR)
+        ENV_COORDINATOR
+    )
     if not wanted or jax.distributed.is_initialized():
         return
     num_processes, process_id = _int_from_env(ENV_NUM_PROCESSES), _int_from_env(ENV_PROCESS_ID)
     if os.environ.get(ENV_COORDINATOR) and (num_processes is None or process_id is None):
-        raise ValueError(f"${ENV_COORDINATOR} is set but ${ENV_NUM_PROCESSES}={num_processes} "
-                         f"and ${ENV_PROCESS_ID}={process_id}; set both (python -m "
-                         f"attnjax.train.launch does).")
-    if num_processes is not None and process_id is not None and not (
-            0 <= process_id < num_processes):
-        raise ValueError(f"${ENV_PROCESS_ID}={process_id} is outside [0, "
-                         f"${ENV_NUM_PROCESSES}={num_processes}).")
+        raise ValueError(
+            f"${ENV_COORDINATOR} is set but ${ENV_NUM_PROCESSES}={num_processes} "
+            f"and ${ENV_PROCESS_ID}={process_id}; set both (python -m "
+            f"attnjax.train.launch does)."
+        )
+    if (
+        num_processes is not None
+        and process_id is not None
+        and not (0 <= process_id < num_processes)
+    ):
+        raise ValueError(
+            f"${ENV_PROCESS_ID}={process_id} is outside [0, ${ENV_NUM_PROCESSES}={num_processes})."
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=os.environ.get(ENV_COORDINATOR) or None,
-                               num_processes=num_processes, process_id=process_id)
-    logging.info("jax.distributed: process %d of %d, %d global devices", jax.process_index(),
-                 jax.process_count(), jax.device_count())
+    jax.distributed.initialize(
+        coordinator_address=os.environ.get(ENV_COORDINATOR) or None,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    logging.info(
+        "jax.distributed: process %d of %d, %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+    )
 
 
 def _accelerator_expected() -> bool:
@@ -85,8 +101,10 @@ def _accelerator_expected() -> bool:
     platforms = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
     if platforms:
         return not platforms.split(",")[0].strip() == "cpu"
-    names = {(d.metadata["Name"] or "").lower().replace("_", "-")
-             for d in importlib.metadata.distributions()}
+    names = {
+        (d.metadata["Name"] or "").lower().replace("_", "-")
+        for d in importlib.metadata.distributions()
+    }
     return any(name.startswith(("jax-cuda", "jax-rocm", "libtpu")) for name in names)
 
 
@@ -109,9 +127,12 @@ def set_cpu_devices(count: int) -> bool:
     in ``$XLA_FLAGS``, or ``jax_num_cpu_devices``), multi-process runs, whose launcher gives each
     process its devices, machines where JAX will use a GPU or TPU, and a backend already started.
     """
-    if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-            or jax.config.jax_num_cpu_devices >= 0 or os.environ.get(ENV_COORDINATOR)
-            or _accelerator_expected()):
+    if (
+        "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+        or jax.config.jax_num_cpu_devices >= 0
+        or os.environ.get(ENV_COORDINATOR)
+        or _accelerator_expected()
+    ):
         return False
     try:
         jax.config.update("jax_num_cpu_devices", int(count))
@@ -168,8 +189,16 @@ class DataParallel:
     ``devices``: what the mesh spans (jit only; default every device, ``run_devices``).
     """
 
-    def __init__(self, mode: str, batch_size: int, eval_batch_size: int | None = None, *,
-                 mesh=None, rules=None, devices=None):
+    def __init__(
+        self,
+        mode: str,
+        batch_size: int,
+        eval_batch_size: int | None = None,
+        *,
+        mesh=None,
+        rules=None,
+        devices=None,
+    ):
         if mode not in MODES:
             raise ValueError(f"config.parallel={mode!r} is not supported; expected one of {MODES}.")
         self.mode = mode
@@ -177,20 +206,27 @@ class DataParallel:
         self.rules = rules or ((r".*", P()),)
         batch_devices = sharding.batch_size_divisor(self.mesh)
         if mode == "pmap" and batch_devices != jax.device_count():
-            raise ValueError(f"config.mesh={dict(self.mesh.shape)} splits parameters, which "
-                             f"config.parallel='pmap' cannot; use 'jit'.")
-        for name, size in (("config.batch_size", batch_size),
-                           ("config.eval_batch_size", eval_batch_size or batch_size)):
+            raise ValueError(
+                f"config.mesh={dict(self.mesh.shape)} splits parameters, which "
+                f"config.parallel='pmap' cannot; use 'jit'."
+            )
+        for name, size in (
+            ("config.batch_size", batch_size),
+            ("config.eval_batch_size", eval_batch_size or batch_size),
+        ):
             if size % batch_devices:
-                raise ValueError(f"{name}={size} is not divisible by the {batch_devices} "
-                                 f"devices ({jax.process_count()} process(es)) the batch is "
-                                 f"split over; data parallelism needs an equal share per "
-                                 f"device.")
+                raise ValueError(
+                    f"{name}={size} is not divisible by the {batch_devices} "
+                    f"devices ({jax.process_count()} process(es)) the batch is "
+                    f"split over; data parallelism needs an equal share per "
+                    f"device."
+                )
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, sharding.batch_spec(self.mesh))
         # pmap's layout: a leading [local_devices] axis, one slice per local device.
-        self.stacked = NamedSharding(jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,)),
-                                     P(AXIS))
+        self.stacked = NamedSharding(
+            jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,)), P(AXIS)
+        )
 
     # ---- placement --------------------------------------------------------------------------
 
@@ -203,8 +239,12 @@ class DataParallel:
         replicated with a leading device axis (pmap). Every process passes the same values."""
         if self.mode == "pmap":
             n = jax.local_device_count()
-            return jax.tree.map(lambda x: jax.device_put(
-                np.broadcast_to(np.asarray(x), (n, *np.shape(x))), self.stacked), state)
+            return jax.tree.map(
+                lambda x: jax.device_put(
+                    np.broadcast_to(np.asarray(x), (n, *np.shape(x))), self.stacked
+                ),
+                state,
+            )
 
         def place(x, target):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -236,9 +276,11 @@ class DataParallel:
         if self.mode == "pmap":
             n = jax.local_device_count()
             return jax.tree.map(
-                lambda x: jax.device_put(x.reshape(n, -1, *x.shape[1:]), self.stacked), batch)
+                lambda x: jax.device_put(x.reshape(n, -1, *x.shape[1:]), self.stacked), batch
+            )
         return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch)
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch
+        )
 
     def fetch(self, tree):
         """Replicated device values (metrics) -> host numpy, one copy."""
@@ -256,12 +298,12 @@ class DataParallel:
         the layout the new state keeps (``state_shardings(state)``; default replicated).
         """
         if self.mode == "pmap":
+
             def per_device(state, batch, rng):
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(AXIS))
                 return train_step(state, batch, rng, axis_name=AXIS)
 
-            return jax.pmap(per_device, axis_name=AXIS, in_axes=(0, 0, None),
-                            donate_argnums=(0,))
+            return jax.pmap(per_device, axis_name=AXIS, in_axes=(0, 0, None), donate_argnums=(0,))
         step = functools.partial(train_step, axis_name=None)
         state_out = self.replicated if state_shardings is None else state_shardings
         return jax.jit(step, out_shardings=(state_out, self.replicated), donate_argnums=(0,))
@@ -269,6 +311,7 @@ class DataParallel:
     def compile_eval_step(self, eval_step: Callable) -> Callable:
         """``eval_step(state, batch) -> sums`` -> compiled function returning global sums."""
         if self.mode == "pmap":
+
             def per_device(state, batch):
                 return jax.lax.psum(eval_step(state, batch), AXIS)
 
@@ -296,4 +339,3 @@ class Prefetcher:
             batch = next(self._iterator)
             self._queue.append((self._put(batch), self._iterator.get_state()))
         return self._queue.popleft()
-

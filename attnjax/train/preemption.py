@@ -14,6 +14,7 @@ catches SIGTERM on every process and picks the step; ``orbax.checkpoint.multihos
 ``reached_preemption(step)`` reports it, so there the loop asks that instead, and this module
 installs no handler (a flag set on one process alone would stop it without the others).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ class Preempted(Exception):
     """The run saved its state at ``step`` and stopped because it was asked to."""
 
     def __init__(self, step: int, directory: str, signal_name: str):
-        super().__init__(f"stopped by {signal_name} after step {step}; its checkpoint is in "
-                         f"{directory}; rerun the same command to continue.")
+        super().__init__(
+            f"stopped by {signal_name} after step {step}; its checkpoint is in "
+            f"{directory}; rerun the same command to continue."
+        )
         self.step = step
 
 
@@ -52,8 +55,11 @@ class StopRequest:
             os.kill(os.getpid(), signum)
             return
         self.signal_name = signal.Signals(signum).name
-        logging.warning("%s received: saving at the end of this step, then stopping (send it "
-                        "again to stop at once without saving)", self.signal_name)
+        logging.warning(
+            "%s received: saving at the end of this step, then stopping (send it "
+            "again to stop at once without saving)",
+            self.signal_name,
+        )
 
     def __enter__(self) -> StopRequest:
         if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():

@@ -1,4 +1,5 @@
 """What a person sees of a run: metrics.jsonl, TensorBoard events, an eval table, PNG curves."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ class MetricWriter:
 
             _truncate_after(self.path, resume_step)
             # Also on a fresh start: a run killed before its first checkpoint left events.
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                     purge_step=resume_step + 1)
+            self._tb = SummaryWriter(
+                os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1
+            )
 
     def write(self, step: int, scalars: dict) -> None:
         if not self.enabled:

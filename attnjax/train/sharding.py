@@ -17,6 +17,7 @@ against a leaf's "/"-joined path in the whole train state, the first match wins:
 ``opt_state/1/0/mu/blocks_0/mlp/fc1/kernel`` hit the same rule and get the same layout, so the
 optimiser state follows its parameter. ``spec`` is a ``PartitionSpec`` or ``FSDP``.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,8 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
@@ -58,21 +60,28 @@ def make_mesh(mesh_config=None, devices: Sequence[jax.Device] | None = None) -> 
         raise ValueError(f"config.mesh has axis {unknown[0]!r}; expected axes among {AXES}.")
     free = [name for name, size in sizes.items() if int(size) == -1]
     if len(free) > 1:
-        raise ValueError(f"config.mesh={sizes} has {len(free)} axes of size -1; at most one may "
-                         f"take the devices left over.")
+        raise ValueError(
+            f"config.mesh={sizes} has {len(free)} axes of size -1; at most one may "
+            f"take the devices left over."
+        )
     fixed = math.prod(int(size) for size in sizes.values() if int(size) != -1)
     if free:
         if fixed < 1 or len(devices) % fixed:
-            raise ValueError(f"config.mesh={sizes}: {len(devices)} devices do not split into "
-                             f"axes of sizes {fixed} x (-1).")
+            raise ValueError(
+                f"config.mesh={sizes}: {len(devices)} devices do not split into "
+                f"axes of sizes {fixed} x (-1)."
+            )
         sizes[free[0]] = len(devices) // fixed
     if math.prod(int(s) for s in sizes.values()) != len(devices):
-        raise ValueError(f"config.mesh={sizes} has {math.prod(sizes.values())} positions but "
-                         f"there are {len(devices)} devices.")
+        raise ValueError(
+            f"config.mesh={sizes} has {math.prod(sizes.values())} positions but "
+            f"there are {len(devices)} devices."
+        )
     names = tuple(sizes)
     shape = tuple(int(sizes[name]) for name in names)
-    return jax.make_mesh(shape, names, devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    return jax.make_mesh(
+        shape, names, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(names)
+    )
 
 
 def batch_spec(mesh: Mesh) -> P:
@@ -121,7 +130,8 @@ def tree_shardings(tree, mesh: Mesh, rules):
     """A ``NamedSharding`` per array leaf of ``tree`` (any pytree of arrays/shape structs)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: NamedSharding(mesh, leaf_spec(path_name(path), np.shape(x), mesh, rules)),
-        tree)
+        tree,
+    )
 
 
 def rules_for(config):

@@ -7,6 +7,7 @@ longer lives on this host; a lock held from another host cannot be checked from 
 refused, with the path to delete once that run is known to be gone. A lock of this very
 process (an earlier ``train_and_evaluate`` call in it that failed) is taken over too.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,9 @@ def _try_create(path: str, owner: dict) -> bool:
 def acquire(workdir: str) -> dict:
     """Creates the lock -> the owner record written; raises ``WorkdirLockedError`` if taken."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise NotADirectoryError(f"--workdir {workdir!r} is a file; expected a directory (new "
-                                 f"or of an earlier run).")
+        raise NotADirectoryError(
+            f"--workdir {workdir!r} is a file; expected a directory (new or of an earlier run)."
+        )
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
@@ -74,12 +76,16 @@ def acquire(workdir: str) -> dict:
             continue  # released between our create and read
         host, pid = other.get("host"), other.get("pid")
         # This process's own pid: a lock left by an earlier call that failed before releasing.
-        stale = host == owner["host"] and isinstance(pid, int) and (
-            pid == owner["pid"] or not _pid_alive(pid))
+        stale = (
+            host == owner["host"]
+            and isinstance(pid, int)
+            and (pid == owner["pid"] or not _pid_alive(pid))
+        )
         if not stale:
             raise WorkdirLockedError(
                 f"workdir {workdir!r} is in use by another run (host {host}, pid {pid}); wait "
-                f"for it to finish, use another --workdir, or delete {path} if that run is gone.")
+                f"for it to finish, use another --workdir, or delete {path} if that run is gone."
+            )
         # Renaming is atomic: of several runs taking over the same stale lock, one wins.
         aside = f"{path}.stale-{owner['token']}"
         try:
@@ -87,8 +93,9 @@ def acquire(workdir: str) -> dict:
         except FileNotFoundError:
             continue
         os.remove(aside)
-        logging.warning("took over the lock of %s from a run that is gone (host %s, pid %s)",
-                        workdir, host, pid)
+        logging.warning(
+            "took over the lock of %s from a run that is gone (host %s, pid %s)", workdir, host, pid
+        )
     raise WorkdirLockedError(f"workdir {workdir!r}: could not create {path} after 3 tries.")
 
 
@@ -97,4 +104,3 @@ def release(workdir: str, owner: dict | None) -> None:
     path = os.path.join(workdir, LOCK_FILE)
     if owner is not None and _read_owner(path) == owner:
         os.remove(path)
-

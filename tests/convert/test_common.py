@@ -1,4 +1,5 @@
 """attnjax.convert.common: safe loading, the layer converters against PyTorch, apply_key_table."""
+
 import pickle
 
 import chex
@@ -53,15 +54,24 @@ def test_layer_norm_group_norm_batch_norm_embedding():
     gn = torch.nn.GroupNorm(3, 6)
     with torch.no_grad():
         gn.weight.normal_(), gn.bias.normal_()
-    ours = nn.GroupNorm(num_groups=3, epsilon=1e-5).apply({"params": common.group_norm(gn.state_dict(), "")}, x)
+    ours = nn.GroupNorm(num_groups=3, epsilon=1e-5).apply(
+        {"params": common.group_norm(gn.state_dict(), "")}, x
+    )
     assert_close(ours, to_nhwc(gn(nchw(x))), rtol=1e-5, atol=1e-5, what="GroupNorm")
 
     bn = torch.nn.BatchNorm2d(6)
     with torch.no_grad():
-        bn.weight.normal_(), bn.bias.normal_(), bn.running_mean.normal_(), bn.running_var.uniform_(0.5, 2)
+        (
+            bn.weight.normal_(),
+            bn.bias.normal_(),
+            bn.running_mean.normal_(),
+            bn.running_var.uniform_(0.5, 2),
+        )
     bn.eval()
     params, stats = common.batch_norm(bn.state_dict(), "")
-    ours = nn.BatchNorm(use_running_average=True, epsilon=1e-5).apply({"params": params, "batch_stats": stats}, x)
+    ours = nn.BatchNorm(use_running_average=True, epsilon=1e-5).apply(
+        {"params": params, "batch_stats": stats}, x
+    )
     assert_close(ours, to_nhwc(bn(nchw(x))), rtol=1e-5, atol=1e-5, what="BatchNorm2d (eval)")
 
     emb = torch.nn.Embedding(7, 3)
@@ -75,13 +85,20 @@ def test_load_state_dict_sources(tmp_path):
     expected = {k: v.numpy() for k, v in layer.state_dict().items()}
     torch.save({"state_dict": layer.state_dict()}, tmp_path / "wrapped.pt")
     save_file(layer.state_dict(), str(tmp_path / "w.safetensors"))
-    for source in (layer, layer.state_dict(), tmp_path / "wrapped.pt", str(tmp_path / "w.safetensors")):
+    for source in (
+        layer,
+        layer.state_dict(),
+        tmp_path / "wrapped.pt",
+        str(tmp_path / "w.safetensors"),
+    ):
         loaded = common.load_state_dict(source)
         assert loaded.keys() == expected.keys()
         chex.assert_trees_all_equal(loaded, expected)
     with pytest.raises(FileNotFoundError, match="no checkpoint file"):
         common.load_state_dict(tmp_path / "missing.pt")
-    with pytest.raises(TypeError, match="expected a torch module, a mapping or a checkpoint path, got list"):
+    with pytest.raises(
+        TypeError, match="expected a torch module, a mapping or a checkpoint path, got list"
+    ):
         common.load_state_dict([1, 2])
     with pytest.raises(KeyError, match="state dict has no key 'fc.weight'"):
         common.linear({}, "fc")
@@ -104,8 +121,12 @@ TABLE = (
 def _torch_state():
     torch.manual_seed(0)
     modules = torch.nn.ModuleDict(
-        {"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 4)}) for _ in range(2)]),
-         "norm": torch.nn.BatchNorm1d(4)}
+        {
+            "layers": torch.nn.ModuleList(
+                [torch.nn.ModuleDict({"fc": torch.nn.Linear(3, 4)}) for _ in range(2)]
+            ),
+            "norm": torch.nn.BatchNorm1d(4),
+        }
     )
     state = dict(modules.state_dict())
     state["scale"] = torch.randn(4)
@@ -117,19 +138,36 @@ def test_apply_key_table_converts_every_key_by_its_row():
     variables = common.apply_key_table(state, TABLE, "toy", skip=r"num_batches_tracked$")
     expected = {
         "params": {
-            "layer_0": {"dense": {"kernel": state["layers.0.fc.weight"].numpy().T, "bias": state["layers.0.fc.bias"].numpy()}},
-            "layer_1": {"dense": {"kernel": state["layers.1.fc.weight"].numpy().T, "bias": state["layers.1.fc.bias"].numpy()}},
+            "layer_0": {
+                "dense": {
+                    "kernel": state["layers.0.fc.weight"].numpy().T,
+                    "bias": state["layers.0.fc.bias"].numpy(),
+                }
+            },
+            "layer_1": {
+                "dense": {
+                    "kernel": state["layers.1.fc.weight"].numpy().T,
+                    "bias": state["layers.1.fc.bias"].numpy(),
+                }
+            },
             "norm": {"scale": state["norm.weight"].numpy(), "bias": state["norm.bias"].numpy()},
             "scale": state["scale"].numpy(),
         },
-        "batch_stats": {"norm": {"mean": state["norm.running_mean"].numpy(), "var": state["norm.running_var"].numpy()}},
+        "batch_stats": {
+            "norm": {
+                "mean": state["norm.running_mean"].numpy(),
+                "var": state["norm.running_var"].numpy(),
+            }
+        },
     }
     chex.assert_trees_all_close(variables, expected, rtol=0, atol=0)
 
 
 def test_apply_key_table_refuses_keys_it_did_not_convert():
     state = _torch_state()
-    with pytest.raises(ValueError, match=r"toy: keys not converted .*\['norm.num_batches_tracked'\]"):
+    with pytest.raises(
+        ValueError, match=r"toy: keys not converted .*\['norm.num_batches_tracked'\]"
+    ):
         common.apply_key_table(state, TABLE, "toy")
     state["layers.0.gate.weight"] = torch.zeros(4)
     with pytest.raises(ValueError, match=r"\['layers.0.gate.weight'\]"):
@@ -154,9 +192,17 @@ def test_export_with_key_table_inverts_apply_key_table_and_names_unmapped_parame
     )
     rng = np.random.default_rng(0)
     state = {
-        **{f"blocks.{i}.attn.{n}.{leaf}": rng.normal(size=shape).astype(np.float32)
-           for i in range(2) for n in ("query", "key") for leaf, shape in (("weight", (3, 4)), ("bias", (3,)))},
-        **{f"blocks.{i}.ln.{leaf}": rng.normal(size=4).astype(np.float32) for i in range(2) for leaf in ("weight", "bias")},
+        **{
+            f"blocks.{i}.attn.{n}.{leaf}": rng.normal(size=shape).astype(np.float32)
+            for i in range(2)
+            for n in ("query", "key")
+            for leaf, shape in (("weight", (3, 4)), ("bias", (3,)))
+        },
+        **{
+            f"blocks.{i}.ln.{leaf}": rng.normal(size=4).astype(np.float32)
+            for i in range(2)
+            for leaf in ("weight", "bias")
+        },
         "pos": rng.normal(size=(1, 5, 4)).astype(np.float32),
     }
     params = common.apply_key_table(state, table, "test")["params"]
@@ -164,7 +210,12 @@ def test_export_with_key_table_inverts_apply_key_table_and_names_unmapped_parame
     assert sorted(exported) == sorted(state)
     for key, value in state.items():
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
-    with pytest.raises(ValueError, match="no torch key for the Flax parameter blocks_0/extra/kernel"):
+    with pytest.raises(
+        ValueError, match="no torch key for the Flax parameter blocks_0/extra/kernel"
+    ):
         common.export_with_key_table(
-            {**params, "blocks_0": {**params["blocks_0"], "extra": {"kernel": np.ones(2)}}}, table, common.TO_TORCH, "test"
+            {**params, "blocks_0": {**params["blocks_0"], "extra": {"kernel": np.ones(2)}}},
+            table,
+            common.TO_TORCH,
+            "test",
         )

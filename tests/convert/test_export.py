@@ -1,4 +1,5 @@
 """Export to PyTorch: attnjax -> timm / taming modules give the same outputs, in PyTorch, to 1e-5."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +11,21 @@ from taming.modules.diffusionmodules.model import Encoder as TorchEncoder
 from taming.modules.transformer import mingpt
 from taming.modules.vqvae.quantize import VectorQuantizer as TorchVectorQuantizer
 
-from attnjax.models import gpt, vit, vqgan
 from attnjax.convert import common, taming, timm
+from attnjax.models import gpt, vit, vqgan
 
-DDCONFIG = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), in_channels=3,
-                out_ch=3, resolution=16, z_channels=16, double_z=False, dropout=0.0)
+DDCONFIG = dict(
+    ch=32,
+    ch_mult=(1, 2),
+    num_res_blocks=1,
+    attn_resolutions=(8,),
+    in_channels=3,
+    out_ch=3,
+    resolution=16,
+    z_channels=16,
+    double_z=False,
+    dropout=0.0,
+)
 N_EMBED, EMBED_DIM = 24, 8
 
 
@@ -35,17 +46,26 @@ def _perturbed(variables, seed):
     ],
 )
 def test_vit_to_timm_gives_the_same_logits(config):
-    config = dict(dict(num_classes=5, patch_size=4, width=24, depth=2, num_heads=3, mlp_dim=40, image_size=16), **config)
+    config = dict(
+        dict(
+            num_classes=5, patch_size=4, width=24, depth=2, num_heads=3, mlp_dim=40, image_size=16
+        ),
+        **config,
+    )
     model = vit.create_vit(**config)
     images = np.random.default_rng(0).standard_normal((2, 16, 16, 3)).astype(np.float32)
     variables = _perturbed(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.asarray(images)), seed=1)
     timm_model = timm.vit_to_timm(model, variables)
     with torch.no_grad():
         theirs = timm_model(torch.from_numpy(images.transpose(0, 3, 1, 2).copy())).numpy()
-    assert_close(jax.jit(model.apply)(variables, images), theirs, what="timm logits of the exported ViT")
+    assert_close(
+        jax.jit(model.apply)(variables, images), theirs, what="timm logits of the exported ViT"
+    )
     # and back: the importer reads the export into the same parameters
     _, reimported = timm.vit_from_timm(timm_model, scan_layers=model.scan_layers)
-    for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(reimported), jax.tree.leaves(variables)):
+    for (path, got), expected in zip(
+        jax.tree_util.tree_leaves_with_path(reimported), jax.tree.leaves(variables)
+    ):
         np.testing.assert_array_equal(got, expected, err_msg=jax.tree_util.keystr(path))
 
 
@@ -80,12 +100,20 @@ def test_vqgan_safetensors_load_into_taming(tmp_path):
     with torch.no_grad():
         expected, indices = reference(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))
     reconstruction, aux = jax.jit(model.apply)(variables, images)
-    np.testing.assert_array_equal(np.asarray(aux["indices"]).reshape(-1), indices.numpy().reshape(-1))
+    np.testing.assert_array_equal(
+        np.asarray(aux["indices"]).reshape(-1), indices.numpy().reshape(-1)
+    )
     expected = expected.numpy().transpose(0, 2, 3, 1)
-    assert_close(reconstruction, expected, atol=1e-5 * float(np.abs(expected).max()), what="taming reconstruction")
+    assert_close(
+        reconstruction,
+        expected,
+        atol=1e-5 * float(np.abs(expected).max()),
+        what="taming reconstruction",
+    )
     _, reimported = taming.vqgan_from_taming(path, DDCONFIG, N_EMBED, EMBED_DIM)
     for (path_, got), want in zip(
-        jax.tree_util.tree_leaves_with_path(reimported["params"]), jax.tree.leaves(variables["params"])
+        jax.tree_util.tree_leaves_with_path(reimported["params"]),
+        jax.tree.leaves(variables["params"]),
     ):
         np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path_))
 
@@ -96,10 +124,16 @@ def test_gpt_safetensors_load_into_mingpt(tmp_path):
     variables = _perturbed(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.asarray(tokens)), seed=3)
     path = taming.save_gpt(model, variables, tmp_path / "gpt.safetensors")
     reference = mingpt.GPT(37, 12, n_layer=2, n_head=4, n_embd=32).eval()
-    reference.load_state_dict({k: torch.from_numpy(v) for k, v in common.load_state_dict(path).items()}, strict=True)
+    reference.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in common.load_state_dict(path).items()}, strict=True
+    )
     with torch.no_grad():
         expected, _ = reference(torch.from_numpy(tokens))
-    assert_close(jax.jit(model.apply)(variables, tokens), expected.numpy(), what="minGPT logits of the exported GPT")
+    assert_close(
+        jax.jit(model.apply)(variables, tokens),
+        expected.numpy(),
+        what="minGPT logits of the exported GPT",
+    )
 
 
 def test_failed_export_leaves_existing_files_alone(tmp_path):

@@ -1,5 +1,6 @@
 """attnjax.convert.lpips: torchvision / lpips key layouts, and the command line that writes the
 converted file, checked against the ``lpips`` package's own LPIPS."""
+
 import os
 import pathlib
 import subprocess
@@ -15,8 +16,8 @@ import torch
 import torchvision
 from helpers import assert_close, lpips_distance
 
-from attnjax.models import lpips
 from attnjax.convert.lpips import lpips_from_torch
+from attnjax.models import lpips
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED_LINEAR = os.path.join(os.path.dirname(torch_lpips.__file__), "weights", "v0.1", "vgg.pth")
@@ -46,8 +47,11 @@ def test_converter_reads_torchvision_vgg16_and_shipped_linear_weights(lpips_refe
     classifier = {k: torch.zeros(1) for k in vgg.state_dict() if k.startswith("classifier.")}
     model, variables = lpips_from_torch({**trunk, **classifier}, SHIPPED_LINEAR)
     a, b = _image_pair(1)
-    assert_close(model.apply(variables, jnp.asarray(a), jnp.asarray(b)), lpips_distance(reference, a, b),
-                 what="LPIPS via torchvision keys")
+    assert_close(
+        model.apply(variables, jnp.asarray(a), jnp.asarray(b)),
+        lpips_distance(reference, a, b),
+        what="LPIPS via torchvision keys",
+    )
     _, from_whole = lpips_from_torch(reference.state_dict())
     chex.assert_trees_all_close(variables, from_whole, rtol=0, atol=0)
 
@@ -59,13 +63,18 @@ def test_missing_parts_raise(lpips_reference):
     with pytest.raises(KeyError, match="no 'lin0.model.1.weight'"):
         lpips_from_torch(_torchvision_trunk(reference))
     with pytest.raises(ValueError, match=r"keys not converted .*'features.0.gamma'"):
-        lpips_from_torch({**_torchvision_trunk(reference), "features.0.gamma": torch.zeros(3)}, SHIPPED_LINEAR)
+        lpips_from_torch(
+            {**_torchvision_trunk(reference), "features.0.gamma": torch.zeros(3)}, SHIPPED_LINEAR
+        )
 
 
 def _convert(*args):
     return subprocess.run(
         [sys.executable, "-m", "attnjax.convert.lpips", *map(str, args)],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
 
 
@@ -78,8 +87,12 @@ def test_command_line_round_trip(tmp_path, lpips_reference):
     assert result.returncode == 0, result.stderr
     variables = lpips.load_variables(out)
     a, b = _image_pair(2)
-    assert_close(lpips.LPIPS().apply(variables, jnp.asarray(a), jnp.asarray(b)), lpips_distance(reference, a, b),
-                 rtol=1e-5, what="LPIPS from the converted file")
+    assert_close(
+        lpips.LPIPS().apply(variables, jnp.asarray(a), jnp.asarray(b)),
+        lpips_distance(reference, a, b),
+        rtol=1e-5,
+        what="LPIPS from the converted file",
+    )
 
     whole = tmp_path / "lpips_whole.pth"
     torch.save(reference.state_dict(), whole)
@@ -94,7 +107,11 @@ def test_command_line_bad_inputs_leave_nothing_behind(tmp_path, lpips_reference)
     reference = lpips_reference
     out = tmp_path / "out.npz"
     missing = _convert(tmp_path / "missing.pth", SHIPPED_LINEAR, out)
-    assert missing.returncode == 2 and "no weights file at" in missing.stderr and missing.stderr.count("\n") == 1
+    assert (
+        missing.returncode == 2
+        and "no weights file at" in missing.stderr
+        and missing.stderr.count("\n") == 1
+    )
     trunk_only = tmp_path / "trunk.pth"
     torch.save(_torchvision_trunk(reference), trunk_only)
     no_linear = _convert(trunk_only, out)

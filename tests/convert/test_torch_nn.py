@@ -1,4 +1,5 @@
 """attnjax.convert.torch_nn: nn.MultiheadAttention weights and masks, against PyTorch itself."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,13 +9,14 @@ from helpers import assert_close
 
 from attnjax.convert.torch_nn import mha_from_torch, mha_mask_from_torch
 
-
 E, HEADS, B, L, S = 8, 2, 2, 5, 6
 
 
 def make_torch_mha(bias=True, kdim=None, vdim=None, batch_first=True, seed=0):
     torch.manual_seed(seed)
-    module = torch.nn.MultiheadAttention(E, HEADS, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    module = torch.nn.MultiheadAttention(
+        E, HEADS, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first
+    )
     if bias:  # PyTorch initialises the biases to zero; make them count
         with torch.no_grad():
             module.in_proj_bias.normal_()
@@ -56,7 +58,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("bias, kdim, vdim, batch_first, cross, mask_kind", CASES)
-def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_first, cross, mask_kind):
+def test_mha_from_torch_outputs_weights_and_gradients(
+    bias, kdim, vdim, batch_first, cross, mask_kind
+):
     rng = np.random.default_rng(3)
     module = make_torch_mha(bias, kdim, vdim, batch_first)
     flax_module, variables = mha_from_torch(module)
@@ -76,7 +80,10 @@ def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_fi
     tensors = [torch.tensor(x, requires_grad=True) for x in (query, key, value)]
     inputs = tensors if batch_first else [t.transpose(0, 1) for t in tensors]
     out, weights = module(
-        *inputs, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=True,
+        *inputs,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        need_weights=True,
         average_attn_weights=False,
     )
     out = out if batch_first else out.transpose(0, 1)
@@ -98,14 +105,20 @@ def test_mha_from_torch_outputs_weights_and_gradients(bias, kdim, vdim, batch_fi
     if kdim is None and vdim is None:
         expected = dict(zip(("query", "key", "value"), np.split(torch_grads["in_proj_weight"], 3)))
     else:
-        expected = {n: torch_grads[f"{t}_proj_weight"] for n, t in zip(("query", "key", "value"), "qkv")}
+        expected = {
+            n: torch_grads[f"{t}_proj_weight"] for n, t in zip(("query", "key", "value"), "qkv")
+        }
     expected["out"] = torch_grads["out_proj.weight"]
     for name, weight_grad in expected.items():
         assert_close(param_grads[name]["kernel"], weight_grad.T, what=f"d loss / d {name}.kernel")
     if bias:
-        for name, bias_grad in zip(("query", "key", "value"), np.split(torch_grads["in_proj_bias"], 3)):
+        for name, bias_grad in zip(
+            ("query", "key", "value"), np.split(torch_grads["in_proj_bias"], 3)
+        ):
             assert_close(param_grads[name]["bias"], bias_grad, what=f"d loss / d {name}.bias")
-        assert_close(param_grads["out"]["bias"], torch_grads["out_proj.bias"], what="d loss / d out.bias")
+        assert_close(
+            param_grads["out"]["bias"], torch_grads["out_proj.bias"], what="d loss / d out.bias"
+        )
     else:
         assert all("bias" not in p for p in param_grads.values())
     for name, ours_g, tensor in zip(("query", "key", "value"), input_grads, tensors):
@@ -131,7 +144,9 @@ def test_mha_mask_from_torch_conventions():
     additive = mha_mask_from_torch(torch.zeros(2, 2), padding, num_heads=2)
     np.testing.assert_array_equal(additive[0, 0], [[0, -np.inf], [0, -np.inf]])
     assert mha_mask_from_torch(num_heads=2) is None
-    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 2, 2\) must be \[L, S\] or \[batch \* num_heads"):
+    with pytest.raises(
+        ValueError, match=r"attn_mask of shape \(3, 2, 2\) must be \[L, S\] or \[batch \* num_heads"
+    ):
         mha_mask_from_torch(torch.zeros(3, 2, 2), num_heads=2)
     with pytest.raises(ValueError, match=r"key_padding_mask must be \[batch, S\]"):
         mha_mask_from_torch(key_padding_mask=torch.zeros(2), num_heads=2)

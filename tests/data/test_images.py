@@ -1,4 +1,5 @@
 """attnjax/images.py: grids and PNGs checked pixel by pixel, figures checked by their colours."""
+
 import matplotlib
 import numpy as np
 import pytest
@@ -39,13 +40,17 @@ def test_save_image_grid_writes_the_grid_of_single_channel_images(tmp_path):
     path = images.save_image_grid(pictures, tmp_path / "grid.png", nrow=3, scale=2)
     written = _read(path)
     assert written.ndim == 2, "one channel is written as a grayscale PNG"
-    np.testing.assert_array_equal(written, images.image_grid(pictures, 3)[..., 0].repeat(2, 0).repeat(2, 1))
+    np.testing.assert_array_equal(
+        written, images.image_grid(pictures, 3)[..., 0].repeat(2, 0).repeat(2, 1)
+    )
     # Image 4 (row 1, column 1) starts at pixel (1 + 5, 1 + 5) of the unscaled grid.
     np.testing.assert_array_equal(written[12:20:2, 12:20:2], np.round(pictures[4, ..., 0] * 255))
 
 
 def test_bad_pictures_raise_value_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"images must be \[n, height, width, channels\] .*got shape \(4, 4, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"images must be \[n, height, width, channels\] .*got shape \(4, 4, 3\)"
+    ):
         images.image_grid(np.zeros((4, 4, 3)), nrow=2)
     with pytest.raises(ValueError, match="nrow .* must be a positive int, got 0"):
         images.image_grid(np.zeros((1, 4, 4, 3)), nrow=0)
@@ -71,13 +76,19 @@ def test_attention_maps_show_the_image_and_the_heat_map_over_it(tmp_path):
     path = images.plot_attention_maps(red, heat, tmp_path / "maps.png", alpha=0.6)
     picture = _read(path)
     inferno = matplotlib.colormaps["inferno"]
-    blend = lambda value: np.round(255 * (0.6 * np.asarray(inferno(value)[:3]) + 0.4 * np.array([1, 0, 0])))  # noqa: E731
+    blend = lambda value: np.round(
+        255 * (0.6 * np.asarray(inferno(value)[:3]) + 0.4 * np.array([1, 0, 0]))
+    )  # noqa: E731
     # The plain panel is pure red; in the overlay, the hot side shows inferno's top colour over
     # red and the cold side its bottom colour over red, each over most of a half panel (the
     # bilinear blend between them takes the rest).
     plain, hot, cold = (_count_near(picture, c) for c in ((255, 0, 0), blend(1.0), blend(0.0)))
-    assert plain > 10_000 and abs(hot - cold) <= 0.05 * hot and 0.3 * plain < hot < 0.5 * plain, (plain, hot, cold)
-    top, bottom = picture[: len(picture) // 2], picture[len(picture) // 2:]
+    assert plain > 10_000 and abs(hot - cold) <= 0.05 * hot and 0.3 * plain < hot < 0.5 * plain, (
+        plain,
+        hot,
+        cold,
+    )
+    top, bottom = picture[: len(picture) // 2], picture[len(picture) // 2 :]
     assert _count_near(top, (255, 0, 0)) == plain and _count_near(bottom, blend(1.0)) == hot
 
 
@@ -89,7 +100,7 @@ def test_plot_curves_draws_one_panel_per_metric_and_one_line_per_split(tmp_path)
     height, width = picture.shape[:2]
     assert (width, height) == (900, 320), "two panels of 4.5 x 3.2 inches at 100 dpi"
     blue, orange = (31, 119, 180), (255, 127, 14)  # matplotlib's first two line colours
-    loss, lr = picture[:, : width // 2], picture[:, width // 2:]
+    loss, lr = picture[:, : width // 2], picture[:, width // 2 :]
     # "loss" has eval (first colour) and train (second); "lr" has train alone, in the first colour.
     assert _count_near(loss, blue, 10) > 50 and _count_near(loss, orange, 10) > 50
     assert _count_near(lr, blue, 10) > 50 and _count_near(lr, orange, 10) == 0

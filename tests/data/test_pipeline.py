@@ -1,18 +1,15 @@
 """attnjax/data.py: the embedded digits dataset and the TFDS data_source + grain pipeline."""
+
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from helpers import load_config
 from sklearn.datasets import load_digits
 
-from helpers import load_config
-
 from attnjax import data
-
-
-
 
 
 @pytest.fixture
@@ -61,6 +58,7 @@ def test_train_stream_is_seeded_reshuffled_per_epoch_and_resumable(digits_config
     # Epoch 1 and epoch 2 each visit distinct examples, in different orders.
     def fingerprints(batches):
         return [img.tobytes() for b in batches for img in b["image"]]
+
     e1, e2 = fingerprints(first[:epoch_batches]), fingerprints(first[epoch_batches:])
     assert sorted(e1) == sorted(e2) and len(set(e1)) == len(set(e2))
     assert e1 != e2
@@ -101,16 +99,17 @@ def test_batches_are_normalised_resized_and_shifted(digits_config, digits_dir):
         for dy in (-1, 0, 1):
             for dx in (-1, 0, 1):
                 moved = np.full_like(a, background)
-                src = a[max(0, -dy):16 - max(0, dy), max(0, -dx):16 - max(0, dx)]
-                moved[max(0, dy):16 - max(0, -dy), max(0, dx):16 - max(0, -dx)] = src
+                src = a[max(0, -dy) : 16 - max(0, dy), max(0, -dx) : 16 - max(0, dx)]
+                moved[max(0, dy) : 16 - max(0, -dy), max(0, dx) : 16 - max(0, -dx)] = src
                 candidates.append(np.array_equal(moved, b))
         assert any(candidates)
 
 
 def test_random_crop_flip_reference():
     image = np.arange(2 * 3 * 1, dtype=np.uint8).reshape(2, 3, 1) + 1
-    flips = {data.random_crop_flip(image, np.random.default_rng(s), 0, True).tobytes()
-             for s in range(20)}
+    flips = {
+        data.random_crop_flip(image, np.random.default_rng(s), 0, True).tobytes() for s in range(20)
+    }
     assert flips == {image.tobytes(), image[:, ::-1].tobytes()}
 
 
@@ -120,7 +119,9 @@ def test_random_crop_is_a_crop_of_the_zero_padded_image(padding):
     image = np.random.default_rng(0).integers(1, 256, (4, 5, 3), dtype=np.uint8)
     for seed in range(30):
         dy, dx = np.random.default_rng(seed).integers(0, 2 * padding + 1, size=2)
-        want = np.pad(image, ((padding, padding), (padding, padding), (0, 0)))[dy:dy + 4, dx:dx + 5]
+        want = np.pad(image, ((padding, padding), (padding, padding), (0, 0)))[
+            dy : dy + 4, dx : dx + 5
+        ]
         got = data.random_crop_flip(image, np.random.default_rng(seed), padding, False)
         np.testing.assert_array_equal(got, want)
 
@@ -140,7 +141,11 @@ def test_eval_covers_every_example_once_with_mask(digits_config, digits_dir):
 def test_process_shards_are_disjoint_and_complete(digits_config):
     digits_config.data.crop_padding = 0
     everything = data.make_datasets(digits_config)
-    full = sorted(img.tobytes() for b in data.make_iterator(everything.eval) for img in b["image"][b["mask"] > 0])
+    full = sorted(
+        img.tobytes()
+        for b in data.make_iterator(everything.eval)
+        for img in b["image"][b["mask"] > 0]
+    )
     shards = []
     for index in range(2):
         ds = data.make_datasets(digits_config, process_index=index, process_count=2)
@@ -155,8 +160,12 @@ def test_global_batches_do_not_depend_on_the_process_count(digits_config):
     """Process p's train batch t is rows [p * b, (p + 1) * b) of the one-process batch t, random
     crops included, across an epoch boundary (1437 examples: 44.9 batches of 32)."""
     one = data.make_iterator(data.make_datasets(digits_config).train)
-    two = [data.make_iterator(data.make_datasets(digits_config, process_index=index,
-                                                 process_count=2).train) for index in range(2)]
+    two = [
+        data.make_iterator(
+            data.make_datasets(digits_config, process_index=index, process_count=2).train
+        )
+        for index in range(2)
+    ]
     for _ in range(46):
         whole = next(one)
         halves = [next(iterator) for iterator in two]
@@ -193,8 +202,15 @@ def test_processes_started_together_prepare_the_digits_once(tmp_path):
     """Runs launched at once on a fresh machine all find the digits unprepared; without a lock the
     later ones fail renaming their copy onto the first one's."""
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", _PREPARE_WHEN_TOLD, str(go), str(tmp_path / "tfds")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PREPARE_WHEN_TOLD, str(go), str(tmp_path / "tfds")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     # Every process has imported TFDS and is polling before any starts preparing.
     time.sleep(8)
     go.touch()
@@ -206,6 +222,7 @@ def test_processes_started_together_prepare_the_digits_once(tmp_path):
 def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monkeypatch):
     """The digits fit in memory and are decoded once; the stream equals the one that decodes
     every record as it is read (IN_MEMORY_BYTES = 0: the pipeline as it was before), batch for batch."""
+
     class CountingSource:
         def __init__(self, source):
             self.source, self.reads = source, 0

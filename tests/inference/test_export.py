@@ -1,4 +1,5 @@
 """attnjax/export.py: the exported programs of trained runs equal the live models, without attnjax."""
+
 import json
 import os
 import subprocess
@@ -8,19 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT, assert_close, trained_runs
 
-from helpers import assert_close, trained_runs
-from helpers import ROOT
-
-from attnjax.train import checkpoint
 from attnjax import data
 from attnjax.inference import export
 from attnjax.models import vqgan
 from attnjax.tasks import classification
 from attnjax.tasks import prior as prior_task
-
-
-
+from attnjax.train import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +34,13 @@ def test_exported_classifier_equals_the_live_model(runs, tmp_path, digits_dir):
     _, predict = classification.make_predict(runs["vit"])
     exported = export.load(path)
     for batch in (images, images[:3]):  # one program, any batch size
-        assert_close(exported["logits"](batch), predict(jnp.asarray(batch)), rtol=1e-5, atol=1e-6,
-                     what=f"exported logits, batch {len(batch)}")
+        assert_close(
+            exported["logits"](batch),
+            predict(jnp.asarray(batch)),
+            rtol=1e-5,
+            atol=1e-6,
+            what=f"exported logits, batch {len(batch)}",
+        )
 
 
 def test_exported_vqgan_and_prior_equal_the_live_models(runs, tmp_path):
@@ -55,16 +56,32 @@ def test_exported_vqgan_and_prior_equal_the_live_models(runs, tmp_path):
     # The live decoding runs op by op, the export as one compiled program: their float32
     # roundings differ (2.4e-6 on pixels up to 1.7 on this CPU), so near-zero pixels are held to
     # 1e-5 of the image's scale.
-    assert_close(exported["decode"](np.asarray(codes, np.int32)), decoded, rtol=1e-5,
-                 atol=1e-5 * float(np.abs(decoded).max()), what="exported VQGAN decoding")
+    assert_close(
+        exported["decode"](np.asarray(codes, np.int32)),
+        decoded,
+        rtol=1e-5,
+        atol=1e-5 * float(np.abs(decoded).max()),
+        what="exported VQGAN decoding",
+    )
 
     config, params = checkpoint.read_config(runs["prior"]), checkpoint.load(runs["prior"])[1]
     labels = np.array([0, 3, 3, 9], np.int32)
     _, expected = prior_task.sample_images(
-        prior_task.create_model(config), params, live.model, live.variables, labels,
-        jax.random.key(5), grid_shape=live.grid_shape, codebook_size=live.model.n_embed,
-        num_classes=10, temperature=config.sampling.temperature, top_k=config.sampling.top_k,
-        guidance=2.0, mean=0.5, std=0.5)
+        prior_task.create_model(config),
+        params,
+        live.model,
+        live.variables,
+        labels,
+        jax.random.key(5),
+        grid_shape=live.grid_shape,
+        codebook_size=live.model.n_embed,
+        num_classes=10,
+        temperature=config.sampling.temperature,
+        top_k=config.sampling.top_k,
+        guidance=2.0,
+        mean=0.5,
+        std=0.5,
+    )
     sampled = export.load(prior_path)["sample"](labels, np.uint32(5))
     assert sampled.shape == (4, 8, 8, 1)
     assert_close(sampled, expected, rtol=1e-5, atol=1e-6, what="exported prior samples")
@@ -87,19 +104,37 @@ def test_loader_runs_without_the_model_code(runs, tmp_path):
     export.export_workdir(runs["vit"], path)
     images = np.random.default_rng(0).normal(size=(2, 8, 8, 1)).astype(np.float32)
     np.save(tmp_path / "images.npy", images)
-    result = subprocess.run([sys.executable, "-c", LOADER, path, str(tmp_path / "images.npy")],
-                            cwd=ROOT, capture_output=True, text=True, check=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run(
+        [sys.executable, "-c", LOADER, path, str(tmp_path / "images.npy")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded["modules"] == ["attnjax.inference.export"], loaded["modules"]
     _, predict = classification.make_predict(runs["vit"])
-    assert_close(np.array(loaded["logits"]), predict(jnp.asarray(images)), rtol=1e-5, atol=1e-6,
-                 what="logits in a process without the model code")
+    assert_close(
+        np.array(loaded["logits"]),
+        predict(jnp.asarray(images)),
+        rtol=1e-5,
+        atol=1e-6,
+        what="logits in a process without the model code",
+    )
 
 
 def test_command_line_refuses_to_overwrite_and_names_bad_workdirs(runs, tmp_path):
     out = tmp_path / "vit.jaxexport"
-    command = [sys.executable, "-m", "attnjax.inference.export", "--workdir", runs["vit"], "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "attnjax.inference.export",
+        "--workdir",
+        runs["vit"],
+        "--out",
+        str(out),
+    ]
     first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     assert f"wrote {out}: classification run at step 4" in first.stdout

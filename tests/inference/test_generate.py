@@ -1,4 +1,5 @@
 """attnjax/inference/generate.py: the sampling command's three modes, its PNGs and its refusals."""
+
 import os
 import subprocess
 import sys
@@ -6,16 +7,14 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers import ROOT, trained_runs
 from PIL import Image
 
-from helpers import ROOT
-from helpers import trained_runs
-
-from attnjax.train import checkpoint
 from attnjax import data
-from attnjax.inference import generate
 from attnjax.data.images import image_grid
+from attnjax.inference import generate
 from attnjax.tasks import prior as prior_task
+from attnjax.train import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +28,45 @@ def read_png(path):
 
 def test_class_samples_equal_the_tasks_sampler(prior_workdir, tmp_path):
     out = str(tmp_path / "threes.png")
-    assert generate.main(["--workdir", prior_workdir, "--class", "3", "--number", "5",
-                        "--temperature", "0.7", "--top_k", "8", "--seed", "4", "--out", out]) == out
+    assert (
+        generate.main(
+            [
+                "--workdir",
+                prior_workdir,
+                "--class",
+                "3",
+                "--number",
+                "5",
+                "--temperature",
+                "0.7",
+                "--top_k",
+                "8",
+                "--seed",
+                "4",
+                "--out",
+                out,
+            ]
+        )
+        == out
+    )
     config, params = checkpoint.read_config(prior_workdir), checkpoint.load(prior_workdir)[1]
     vqgan = prior_task.load_vqgan(config.vqgan_workdir)
     _, expected = prior_task.sample_images(
-        prior_task.create_model(config), params, vqgan.model, vqgan.variables,
-        np.full((5,), 3, np.int32), jax.random.key(4), grid_shape=vqgan.grid_shape,
-        codebook_size=vqgan.model.n_embed, num_classes=10, temperature=0.7, top_k=8,
-        guidance=config.sampling.guidance, mean=0.5, std=0.5)
+        prior_task.create_model(config),
+        params,
+        vqgan.model,
+        vqgan.variables,
+        np.full((5,), 3, np.int32),
+        jax.random.key(4),
+        grid_shape=vqgan.grid_shape,
+        codebook_size=vqgan.model.n_embed,
+        num_classes=10,
+        temperature=0.7,
+        top_k=8,
+        guidance=config.sampling.guidance,
+        mean=0.5,
+        std=0.5,
+    )
     scale = config.sampling.png_scale
     expected_png = image_grid(expected, 5).repeat(scale, 0).repeat(scale, 1)[..., 0]
     # One grey level of rounding at most where the two float paths land on either side of .5.
@@ -46,22 +75,44 @@ def test_class_samples_equal_the_tasks_sampler(prior_workdir, tmp_path):
 
 def test_sliding_window_grid_and_completion_pngs(prior_workdir, tmp_path, digits_dir):
     scale = checkpoint.read_config(prior_workdir).sampling.png_scale
-    wide = generate.main(["--workdir", prior_workdir, "--grid", "4x7", "--class", "1", "--number", "2",
-                        "--out", str(tmp_path / "wide.png")])
+    wide = generate.main(
+        [
+            "--workdir",
+            prior_workdir,
+            "--grid",
+            "4x7",
+            "--class",
+            "1",
+            "--number",
+            "2",
+            "--out",
+            str(tmp_path / "wide.png"),
+        ]
+    )
     # 4x7 codes at f=2 -> 8x14 pixels; two in a row with one-pixel borders.
     assert read_png(wide).shape == (scale * (8 + 2), scale * (2 * 15 + 1))
 
-    completion = generate.main(["--workdir", prior_workdir, "--complete", "3", "--rows", "2",
-                              "--out", str(tmp_path / "completion.png")])
+    completion = generate.main(
+        [
+            "--workdir",
+            prior_workdir,
+            "--complete",
+            "3",
+            "--rows",
+            "2",
+            "--out",
+            str(tmp_path / "completion.png"),
+        ]
+    )
     picture = read_png(completion)
     assert picture.shape == (scale * (3 * 9 + 1), scale * (3 * 9 + 1))
     # The first row shows the first held-out digits themselves, resized to 8x8 independently here.
     test = data.load_source("digits", "test", digits_dir)
     originals = np.stack([data.resize(np.asarray(test[i]["image"]), 8) for i in range(3)])
     first_row = image_grid(originals / 255.0, 3)[:10].repeat(scale, 0).repeat(scale, 1)[..., 0]
-    np.testing.assert_array_equal(picture[:10 * scale], first_row)
+    np.testing.assert_array_equal(picture[: 10 * scale], first_row)
     # The kept-rows picture is grey below the kept half (2 of 4 code rows = 4 of 8 pixel rows).
-    kept_bottom = picture[scale * (9 + 1 + 4):scale * (9 + 1 + 8), scale:scale * 9]
+    kept_bottom = picture[scale * (9 + 1 + 4) : scale * (9 + 1 + 8), scale : scale * 9]
     assert np.all(kept_bottom == 128)
 
 
@@ -79,25 +130,42 @@ def test_completion_of_the_first_held_out_images_with_their_labels(prior_workdir
 def test_refuses_to_overwrite_and_reports_bad_values_in_one_line(prior_workdir, tmp_path):
     out = tmp_path / "generate.png"
     out.write_bytes(b"keep me")
-    command = [sys.executable, "-m", "attnjax.inference.generate", "--workdir", prior_workdir, "--number", "1",
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "attnjax.inference.generate",
+        "--workdir",
+        prior_workdir,
+        "--number",
+        "1",
+        "--out",
+        str(out),
+    ]
     refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert refused.returncode != 0
-    assert refused.stderr.strip().splitlines()[-1].startswith("error: ") and "--force" in refused.stderr
+    assert (
+        refused.stderr.strip().splitlines()[-1].startswith("error: ")
+        and "--force" in refused.stderr
+    )
     assert out.read_bytes() == b"keep me"
     forced = subprocess.run(command + ["--force"], cwd=ROOT, capture_output=True, text=True)
     assert forced.returncode == 0, forced.stderr
     assert f"wrote {out}" in forced.stdout and read_png(out).ndim == 2
 
-    bad = [(["--grid", "4by8"], "--grid must be HxW"),
-           (["--grid", "3x8"], "--grid 3x8 must be at least the trained grid 4x4"),
-           (["--class", "10"], r"--class must be in \[0, 9\]"),
-           (["--number", "0"], "--number must be >= 1, got 0"),
-           (["--top_p", "1.5"], r"top_p must be in \(0, 1\]"),
-           (["--complete", "2", "--rows", "4"], r"--rows must be in \[1, 3\]"),
-           (["--grid", "4x8", "--complete", "2"], "separate modes")]
+    bad = [
+        (["--grid", "4by8"], "--grid must be HxW"),
+        (["--grid", "3x8"], "--grid 3x8 must be at least the trained grid 4x4"),
+        (["--class", "10"], r"--class must be in \[0, 9\]"),
+        (["--number", "0"], "--number must be >= 1, got 0"),
+        (["--top_p", "1.5"], r"top_p must be in \(0, 1\]"),
+        (["--complete", "2", "--rows", "4"], r"--rows must be in \[1, 3\]"),
+        (["--grid", "4x8", "--complete", "2"], "separate modes"),
+    ]
     for flags, message in bad:
         with pytest.raises(ValueError, match=message):
-            generate.run_command(generate.parse_args(["--workdir", prior_workdir, "--out",
-                                                  str(tmp_path / "new.png")] + flags))
+            generate.run_command(
+                generate.parse_args(
+                    ["--workdir", prior_workdir, "--out", str(tmp_path / "new.png")] + flags
+                )
+            )
     assert not os.path.exists(tmp_path / "new.png")

@@ -1,4 +1,5 @@
 """attnjax/gpt.py against taming's minGPT and net2net objective, and the prior task."""
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_close
-
-from attnjax.models import gpt, sampling
-from attnjax.convert.taming import gpt_from_taming
 from taming.modules.transformer import mingpt
+
+from attnjax.convert.taming import gpt_from_taming
+from attnjax.models import gpt, sampling
 
 
 def _taming_gpt(seed=0, vocab_size=37, block_size=24, n_layer=2, n_head=4, n_embd=32):
@@ -19,7 +20,12 @@ def _taming_gpt(seed=0, vocab_size=37, block_size=24, n_layer=2, n_head=4, n_emb
         # minGPT initialises pos_emb to zeros, LayerNorms to (1, 0) and biases to 0: randomise
         # them all so every converted tensor matters.
         for name, tensor in model.named_parameters():
-            if name == "pos_emb" or name.endswith("bias") or ".ln" in name or name.startswith("ln_f"):
+            if (
+                name == "pos_emb"
+                or name.endswith("bias")
+                or ".ln" in name
+                or name.startswith("ln_f")
+            ):
                 tensor.add_(0.1 * torch.randn_like(tensor))
     return model
 
@@ -42,8 +48,11 @@ def test_gpt_matches_taming_mingpt(converted):
     # Shorter sequences use the first positions of pos_emb, as taming slices pos_emb[:, :t].
     with torch.no_grad():
         expected_short, _ = torch_model(torch.from_numpy(indices[:, :5]))
-    assert_close(apply(variables, jnp.asarray(indices[:, :5])), expected_short.numpy(),
-                 what="GPT logits on a 5-token prefix")
+    assert_close(
+        apply(variables, jnp.asarray(indices[:, :5])),
+        expected_short.numpy(),
+        what="GPT logits on a 5-token prefix",
+    )
 
 
 def test_gpt_from_taming_reads_the_architecture(converted):
@@ -74,8 +83,12 @@ def test_training_objective_matches_net2net(converted):
 
 
 def test_prefix_and_vocabulary_conventions():
-    np.testing.assert_array_equal(np.asarray(gpt.prefix_tokens(np.array([0, 9]), 128, 10)), [[128], [137]])
-    np.testing.assert_array_equal(np.asarray(gpt.prefix_tokens(None, 128, 0, batch=2)), [[128], [128]])
+    np.testing.assert_array_equal(
+        np.asarray(gpt.prefix_tokens(np.array([0, 9]), 128, 10)), [[128], [137]]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(gpt.prefix_tokens(None, 128, 0, batch=2)), [[128], [128]]
+    )
     np.testing.assert_array_equal(np.asarray(gpt.null_tokens(128, 10, 1)), [[138]])
     assert gpt.vocab_size(128, 10) == 138 and gpt.vocab_size(128, 10, null_class=True) == 139
     assert gpt.vocab_size(128, 0) == 129
@@ -99,12 +112,22 @@ def test_gpt_rejects_indices_that_are_not_batch_by_length(converted):
 def _task_config(num_classes=4, **overrides):
     import ml_collections
 
-    config = ml_collections.ConfigDict(dict(
-        task="prior", seed=0, num_classes=num_classes,
-        model=dict(n_layer=2, n_head=2, n_embd=32, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0),
-        optimizer="adamw", learning_rate=3e-3, warmup_steps=10, num_train_steps=150,
-        weight_decay=0.0, grad_clip_norm=1.0,
-    ))
+    config = ml_collections.ConfigDict(
+        dict(
+            task="prior",
+            seed=0,
+            num_classes=num_classes,
+            model=dict(
+                n_layer=2, n_head=2, n_embd=32, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0
+            ),
+            optimizer="adamw",
+            learning_rate=3e-3,
+            warmup_steps=10,
+            num_train_steps=150,
+            weight_decay=0.0,
+            grad_clip_norm=1.0,
+        )
+    )
     config.update(overrides)
     return config
 
@@ -112,15 +135,18 @@ def _task_config(num_classes=4, **overrides):
 def _pattern_codes(labels, num_tokens=8, num_codes=16):
     """Codes fully determined by the class: a sequence a model can learn to zero loss."""
     positions = np.arange(num_tokens)
-    return ((labels[:, None] * 5 + positions[None, :] * (labels[:, None] + 1)) % num_codes).astype(np.int32)
+    return ((labels[:, None] * 5 + positions[None, :] * (labels[:, None] + 1)) % num_codes).astype(
+        np.int32
+    )
 
 
 def test_prior_task_learns_class_conditional_sequences():
     from attnjax.tasks import prior as task
 
     config = _task_config(class_dropout=0.2)  # a null class too, for guided sampling
-    model = gpt.GPT(vocab_size=gpt.vocab_size(16, 4, null_class=True), block_size=8,
-                      **config.model.to_dict())
+    model = gpt.GPT(
+        vocab_size=gpt.vocab_size(16, 4, null_class=True), block_size=8, **config.model.to_dict()
+    )
     labels = np.arange(64, dtype=np.int32) % 4
     batch = {"codes": _pattern_codes(labels), "label": labels}
     state = task.create_train_state(jax.random.key(0), config, model, batch)
@@ -135,20 +161,33 @@ def test_prior_task_learns_class_conditional_sequences():
     # eval_step: padding rows do not count; the mean equals the plain cross-entropy in bits.
     eval_batch = {**batch, "mask": np.r_[np.ones(60), np.zeros(4)].astype(np.float32)}
     sums = task.eval_step(state, eval_batch, config=config, model=model)
-    logits = gpt.sequence_logits(model, state.params, batch["codes"][:60],
-                                   gpt.prefix_tokens(labels[:60], 16, 4))
+    logits = gpt.sequence_logits(
+        model, state.params, batch["codes"][:60], gpt.prefix_tokens(labels[:60], 16, 4)
+    )
     expected = gpt.bits_per_token(gpt.cross_entropy(logits, batch["codes"][:60]))
     assert float(sums["count"]) == 60
-    assert_close(float(sums["bits_per_token"]) / 60, float(expected), rtol=1e-4, what="eval bits/token")
+    assert_close(
+        float(sums["bits_per_token"]) / 60, float(expected), rtol=1e-4, what="eval bits/token"
+    )
 
     # Greedy sampling from each class prefix reproduces that class's sequence, also guided.
     classes = np.arange(4, dtype=np.int32)
     prefix = gpt.prefix_tokens(classes, 16, 4)
-    tokens = sampling.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
-                          num_codes=16)
+    tokens = sampling.sample(
+        model, state.params, prefix, jax.random.key(0), 8, temperature=0.0, num_codes=16
+    )
     np.testing.assert_array_equal(np.asarray(tokens), _pattern_codes(classes))
-    guided = sampling.sample(model, state.params, prefix, jax.random.key(0), 8, temperature=0.0,
-                          num_codes=16, guidance=2.0, null_prefix=gpt.null_tokens(16, 4, 4))
+    guided = sampling.sample(
+        model,
+        state.params,
+        prefix,
+        jax.random.key(0),
+        8,
+        temperature=0.0,
+        num_codes=16,
+        guidance=2.0,
+        null_prefix=gpt.null_tokens(16, 4, 4),
+    )
     np.testing.assert_array_equal(np.asarray(guided), _pattern_codes(classes))
 
 
@@ -160,16 +199,36 @@ def tiny_vqgan(tmp_path_factory):
     from attnjax.models import vqgan as vqgan_lib
     from attnjax.tasks import prior as task
 
-    model = vqgan_lib.VQGAN(ch=32, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=(),
-                            in_channels=1, out_ch=1, resolution=16, z_channels=8, n_embed=32,
-                            embed_dim=8)
+    model = vqgan_lib.VQGAN(
+        ch=32,
+        ch_mult=(1, 1, 1),
+        num_res_blocks=1,
+        attn_resolutions=(),
+        in_channels=1,
+        out_ch=1,
+        resolution=16,
+        z_channels=8,
+        n_embed=32,
+        embed_dim=8,
+    )
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 1)))
-    data_config = ml_collections.ConfigDict(dict(
-        name="digits", data_dir="", train_split="train", eval_split="test", image_key="image",
-        label_key="label", image_size=16, mean=(0.5,), std=(0.5,)))
+    data_config = ml_collections.ConfigDict(
+        dict(
+            name="digits",
+            data_dir="",
+            train_split="train",
+            eval_split="test",
+            image_key="image",
+            label_key="label",
+            image_size=16,
+            mean=(0.5,),
+            std=(0.5,),
+        )
+    )
     workdir = str(tmp_path_factory.mktemp("vqgan"))
-    return task.TrainedVQGAN(workdir, ml_collections.ConfigDict({"data": data_config}), model,
-                             variables, 7, (4, 4))
+    return task.TrainedVQGAN(
+        workdir, ml_collections.ConfigDict({"data": data_config}), model, variables, 7, (4, 4)
+    )
 
 
 def test_encode_split_caches_codes_keyed_by_the_vqgan(tiny_vqgan, tmp_path):

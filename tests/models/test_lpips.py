@@ -1,5 +1,6 @@
 """attnjax.models.lpips against the ``lpips`` package (0.1.4): a random VGG16 trunk (no download) and
 the linear-layer weights the package ships, converted by attnjax.convert.lpips."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ def test_lpips_matches_the_lpips_package(lpips_reference):
     model, variables = lpips_from_torch(reference.state_dict())
     ours = model.apply(variables, jnp.asarray(a), jnp.asarray(b))
     assert_close(ours, expected, what="LPIPS distance")
-    assert_close(model.apply(variables, jnp.asarray(a), jnp.asarray(a)), np.zeros(3), what="LPIPS(x, x)")
+    assert_close(
+        model.apply(variables, jnp.asarray(a), jnp.asarray(a)), np.zeros(3), what="LPIPS(x, x)"
+    )
 
 
 def test_bad_inputs_raise(lpips_reference):

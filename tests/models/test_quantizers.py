@@ -1,4 +1,5 @@
 """attnjax/quantizers.py against each paper's formulas, written out in numpy here."""
+
 import itertools
 import json
 import os
@@ -10,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 
 from attnjax.models import quantizers, vqgan
-from helpers import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,9 +28,11 @@ def np_rotation(e, q):
 
 def output_and_input_grad(quantizer, variables, z, upstream):
     """Quantized output and the gradient of <upstream, output> with respect to z."""
+
     def f(z):
         (out, _, _), _ = quantizer.apply(variables, z, train=True, mutable=["vq_state"])
         return jnp.sum(out * upstream), out
+
     (_, out), grad = jax.value_and_grad(f, has_aux=True)(z)
     return np.asarray(out, np.float64), np.asarray(grad, np.float64)
 
@@ -62,14 +65,24 @@ def test_fsq_values_indices_and_straight_through_gradient(np_rng):
 
     grid = np.asarray(quantizer.apply(variables, method=type(quantizer).codebook))
     assert grid.shape == (160, 3) and len({tuple(row) for row in grid}) == 160
-    assert_close(np.asarray(quantizer.apply(variables, indices, method=type(quantizer).lookup)), expected,
-                 what="FSQ lookup(indices)")
+    assert_close(
+        np.asarray(quantizer.apply(variables, indices, method=type(quantizer).lookup)),
+        expected,
+        what="FSQ lookup(indices)",
+    )
 
 
 def test_lfq_signs_binary_indices_and_entropy_terms(np_rng):
     d, beta, weight, diversity, temperature = 4, 0.25, 0.1, 1.0, 0.5
-    quantizer = quantizers.make_quantizer(2**d, d, beta, kind="lfq", lfq_entropy_weight=weight,
-                                          lfq_diversity=diversity, lfq_temperature=temperature)
+    quantizer = quantizers.make_quantizer(
+        2**d,
+        d,
+        beta,
+        kind="lfq",
+        lfq_entropy_weight=weight,
+        lfq_diversity=diversity,
+        lfq_temperature=temperature,
+    )
     z = np_rng.normal(size=(2, 3, 3, d)).astype(np.float32)
     variables = quantizer.init(jax.random.key(0), jnp.asarray(z))
     upstream = np_rng.normal(size=z.shape).astype(np.float32)
@@ -79,7 +92,9 @@ def test_lfq_signs_binary_indices_and_entropy_terms(np_rng):
     signs = np.where(z > 0, 1.0, -1.0)
     assert_close(out, signs, what="LFQ codes")
     assert_close(grad, upstream, what="LFQ straight-through gradient")
-    np.testing.assert_array_equal(np.asarray(indices), np.sum((z > 0) * 2 ** np.arange(d - 1, -1, -1), axis=-1))
+    np.testing.assert_array_equal(
+        np.asarray(indices), np.sum((z > 0) * 2 ** np.arange(d - 1, -1, -1), axis=-1)
+    )
 
     # MAGVIT-v2's entropy penalty over q(c|z) = softmax_c(-||z - c||^2 / T), codes c in {-1, 1}^d.
     codes = np.array(list(itertools.product([-1.0, 1.0], repeat=d)))
@@ -93,16 +108,31 @@ def test_lfq_signs_binary_indices_and_entropy_terms(np_rng):
     commitment = np.mean((z - signs) ** 2)
     assert_close(aux["per_sample_entropy"], per_sample, what="per-sample entropy")
     assert_close(aux["batch_entropy"], batch, what="batch (codebook) entropy")
-    assert_close(aux["loss"], beta * commitment + weight * (per_sample - diversity * batch), what="LFQ loss")
-    assert_close(np.asarray(quantizer.apply(variables, method=type(quantizer).codebook)), codes,
-                 what="LFQ codebook in index order")
+    assert_close(
+        aux["loss"], beta * commitment + weight * (per_sample - diversity * batch), what="LFQ loss"
+    )
+    assert_close(
+        np.asarray(quantizer.apply(variables, method=type(quantizer).codebook)),
+        codes,
+        what="LFQ codebook in index order",
+    )
     # lfq_commitment_weight replaces the shared beta for this kind alone.
-    reweighted = quantizers.make_quantizer(2**d, d, beta, kind="lfq", lfq_entropy_weight=weight,
-                                           lfq_diversity=diversity, lfq_temperature=temperature,
-                                           lfq_commitment_weight=0.01)
+    reweighted = quantizers.make_quantizer(
+        2**d,
+        d,
+        beta,
+        kind="lfq",
+        lfq_entropy_weight=weight,
+        lfq_diversity=diversity,
+        lfq_temperature=temperature,
+        lfq_commitment_weight=0.01,
+    )
     _, _, aux = reweighted.apply(variables, jnp.asarray(z))
-    assert_close(aux["loss"], 0.01 * commitment + weight * (per_sample - diversity * batch),
-                 what="LFQ loss with lfq_commitment_weight")
+    assert_close(
+        aux["loss"],
+        0.01 * commitment + weight * (per_sample - diversity * batch),
+        what="LFQ loss with lfq_commitment_weight",
+    )
 
 
 @pytest.mark.parametrize("kind", ["vq", "simvq"])
@@ -119,7 +149,9 @@ def test_rotation_trick_value_is_the_code_and_gradient_is_scaled_rotation_transp
     for e, q, g, got in zip(flat, nearest, upstream.reshape(-1, 6), grad.reshape(-1, 6)):
         rotation, scale = np_rotation(e, q)
         assert_close(rotation @ e * scale, q, what="lambda R e = q")
-        assert_close(got, scale * rotation.T @ g, rtol=1e-4, atol=1e-6, what="gradient lambda R^T g")
+        assert_close(
+            got, scale * rotation.T @ g, rtol=1e-4, atol=1e-6, what="gradient lambda R^T g"
+        )
 
 
 def test_simvq_codes_are_frozen_codebook_times_learned_map(np_rng):
@@ -129,11 +161,14 @@ def test_simvq_codes_are_frozen_codebook_times_learned_map(np_rng):
     variables = quantizer.init(jax.random.key(2), jnp.asarray(z))
     frozen = np.asarray(variables["vq_state"]["frozen_codebook"], np.float64)
     w = np.asarray(variables["params"]["proj"]["kernel"], np.float64)
-    assert set(variables["params"]) == {"proj"}, "the random codebook must not be a trained parameter"
+    assert set(variables["params"]) == {"proj"}, (
+        "the random codebook must not be a trained parameter"
+    )
 
     def loss_fn(params):
-        (out, indices, aux), _ = quantizer.apply({**variables, "params": params}, jnp.asarray(z), train=True,
-                                                 mutable=["vq_state"])
+        (out, indices, aux), _ = quantizer.apply(
+            {**variables, "params": params}, jnp.asarray(z), train=True, mutable=["vq_state"]
+        )
         return aux["loss"], (out, indices)
 
     (loss, (out, indices)), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
@@ -143,19 +178,42 @@ def test_simvq_codes_are_frozen_codebook_times_learned_map(np_rng):
     np.testing.assert_array_equal(np.asarray(indices).reshape(-1), expected_indices)
     q = codes[expected_indices]
     assert_close(np.asarray(out).reshape(-1, 8), q, what="SimVQ codes C W")
-    assert_close(loss, (1 + beta) * np.mean((q - flat) ** 2), what="||sg(z) - q||^2 + beta ||z - sg(q)||^2")
+    assert_close(
+        loss, (1 + beta) * np.mean((q - flat) ** 2), what="||sg(z) - q||^2 + beta ||z - sg(q)||^2"
+    )
     # Only the codebook term reaches W: d/dW mean((C_i W - z_i)^2) = C_i^T 2 (q_i - z_i) / numel.
     expected_grad = frozen[expected_indices].T @ (2 * (q - flat) / flat.size)
     assert_close(grads["proj"]["kernel"], expected_grad, rtol=1e-4, what="gradient of W")
 
 
-@pytest.mark.parametrize("kind,options", [("vq", dict(l2_normalize=True, usage_decay=0.95)),
-                                          ("fsq", {}), ("lfq", {}), ("simvq", dict(usage_decay=0.95))])
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("vq", dict(l2_normalize=True, usage_decay=0.95)),
+        ("fsq", {}),
+        ("lfq", {}),
+        ("simvq", dict(usage_decay=0.95)),
+    ],
+)
 def test_every_kind_runs_inside_the_vqgan(kind, options, np_rng):
-    ddconfig = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(), in_channels=1, out_ch=1,
-                    resolution=8, z_channels=32, double_z=False)
-    model = vqgan.create_vqgan(ddconfig, 128, 16, quantizer=dict(kind=kind, **options),
-                               quantizer_factory=quantizers.make_quantizer)
+    ddconfig = dict(
+        ch=32,
+        ch_mult=(1, 2),
+        num_res_blocks=1,
+        attn_resolutions=(),
+        in_channels=1,
+        out_ch=1,
+        resolution=8,
+        z_channels=32,
+        double_z=False,
+    )
+    model = vqgan.create_vqgan(
+        ddconfig,
+        128,
+        16,
+        quantizer=dict(kind=kind, **options),
+        quantizer_factory=quantizers.make_quantizer,
+    )
     x = jnp.asarray(np_rng.uniform(-1, 1, size=(2, 8, 8, 1)).astype(np.float32))
     variables = model.init(jax.random.key(0), x)
     rec, aux = model.apply(variables, x)
@@ -163,8 +221,12 @@ def test_every_kind_runs_inside_the_vqgan(kind, options, np_rng):
     assert indices.shape == (2, 4, 4) and indices.dtype == np.int32
     assert 0 <= indices.min() and indices.max() < model.n_embed
     from_indices = model.apply(variables, aux["indices"], method=vqgan.VQGAN.decode_indices)
-    assert_close(from_indices, rec, rtol=1e-4, atol=1e-5, what=f"{kind}: decode_indices(encode(x)) = x_rec")
-    assert_close(aux["codebook_usage"], len(np.unique(indices)) / 128, what="usage from the indices")
+    assert_close(
+        from_indices, rec, rtol=1e-4, atol=1e-5, what=f"{kind}: decode_indices(encode(x)) = x_rec"
+    )
+    assert_close(
+        aux["codebook_usage"], len(np.unique(indices)) / 128, what="usage from the indices"
+    )
 
 
 def test_bad_options_are_named():
@@ -177,7 +239,9 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="unknown quantizer options.*'levels'"):
         quantizers.make_quantizer(128, 8, kind="fsq", levels=(8, 4, 4))
     with pytest.raises(ValueError, match="n_embed=100 must be a power of two"):
-        quantizers.make_quantizer(100, 8, kind="lfq").init(jax.random.key(0), jnp.zeros((1, 2, 2, 8)))
+        quantizers.make_quantizer(100, 8, kind="lfq").init(
+            jax.random.key(0), jnp.zeros((1, 2, 2, 8))
+        )
 
 
 SHARDED = textwrap.dedent("""
@@ -242,10 +306,20 @@ SHARDED = textwrap.dedent("""
 
 
 def test_statistics_on_8_devices_equal_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True,
-                            cwd=ROOT, timeout=600)
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     task = out.pop("vqgan_task_pmap")
@@ -257,4 +331,6 @@ def test_statistics_on_8_devices_equal_one_device():
         assert r["pmap_outputs"] < 1e-5 and r["pmap_indices"], (kind, r)
         assert_close(*r["pmap_loss"], what=f"{kind} mean loss under pmap")
         for key, (low, high, one) in r["pmap_stats"].items():
-            assert_close([low, high], [one, one], rtol=1e-5, atol=1e-6, what=f"{kind} {key} under pmap")
+            assert_close(
+                [low, high], [one, one], rtol=1e-5, atol=1e-6, what=f"{kind} {key} under pmap"
+            )

@@ -1,4 +1,5 @@
 """attnjax/sampling.py: the cached sampler against full recompute and the model's own forward pass."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +38,12 @@ def test_cached_sampling_equals_full_recompute(gpt, settings):
     model, params = gpt
     prefix = jnp.array([[33, 3], [34, 7], [35, 1]], jnp.int32)
     rng = jax.random.key(7)
-    tokens, logits = sampling.sample(model, params, prefix, rng, 20, num_codes=32,
-                                     return_logits=True, **settings)
-    ref_tokens, ref_logits = sampling.sample_recompute(model, params, prefix, rng, 20, num_codes=32,
-                                                       return_logits=True, **settings)
+    tokens, logits = sampling.sample(
+        model, params, prefix, rng, 20, num_codes=32, return_logits=True, **settings
+    )
+    ref_tokens, ref_logits = sampling.sample_recompute(
+        model, params, prefix, rng, 20, num_codes=32, return_logits=True, **settings
+    )
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
     # Cache and recompute sum in different orders; guidance scales that float32 rounding by w.
     assert_close(logits, ref_logits, atol=1e-5, what="logits along the cached sampling")
@@ -78,8 +81,9 @@ def test_filter_logits_top_k_and_top_p():
     assert kept(sampling.filter_logits(logits, top_p=0.4)) == [True, False, False, False, False]
     assert kept(sampling.filter_logits(logits, num_codes=3)) == [True, True, True, False, False]
     # Kept logits keep their values: the filter masks, it does not renormalise.
-    np.testing.assert_array_equal(np.asarray(sampling.filter_logits(logits, top_k=2))[0, :2],
-                                  np.asarray(logits)[0, :2])
+    np.testing.assert_array_equal(
+        np.asarray(sampling.filter_logits(logits, top_k=2))[0, :2], np.asarray(logits)[0, :2]
+    )
 
 
 def test_sampling_settings_check_and_normalise():
@@ -104,9 +108,18 @@ def test_bad_sampling_arguments_raise(gpt):
         sampling.sample(model, params, prefix, jax.random.key(0), 4, top_p=1.5)
     with pytest.raises(ValueError, match="null_prefix"):
         sampling.sample(model, params, prefix, jax.random.key(0), 4, guidance=2.0)
-    with pytest.raises(ValueError, match=r"null_prefix shape \(2, 2\) must equal prefix shape \(2, 1\)"):
-        sampling.sample_recompute(model, params, prefix, jax.random.key(0), 4, guidance=2.0,
-                                  null_prefix=jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(
+        ValueError, match=r"null_prefix shape \(2, 2\) must equal prefix shape \(2, 1\)"
+    ):
+        sampling.sample_recompute(
+            model,
+            params,
+            prefix,
+            jax.random.key(0),
+            4,
+            guidance=2.0,
+            null_prefix=jnp.zeros((2, 2), jnp.int32),
+        )
     with pytest.raises(ValueError, match=r"prefix must be \[batch, p\]"):
         sampling.sample(model, params, jnp.zeros((2,), jnp.int32), jax.random.key(0), 4)
 
@@ -126,8 +139,20 @@ def _taming_local(position, grid, window):
     return half
 
 
-def _reference_window_sampling(model, params, prefix, codes, start, rng, *, temperature=1.0,
-                               top_k=None, guidance=None, null_prefix=None, num_codes=32):
+def _reference_window_sampling(
+    model,
+    params,
+    prefix,
+    codes,
+    start,
+    rng,
+    *,
+    temperature=1.0,
+    top_k=None,
+    guidance=None,
+    null_prefix=None,
+    num_codes=32,
+):
     """Full recompute per token, as taming does: the whole window through the model each time."""
     forward = jax.jit(model.apply)
     codes = np.array(codes, np.int32)
@@ -135,14 +160,21 @@ def _reference_window_sampling(model, params, prefix, codes, start, rng, *, temp
     window_height, window_width = WINDOW
     for step, position in enumerate(range(start, height * width)):
         i, j = divmod(position, width)
-        local_i, local_j = _taming_local(i, height, window_height), _taming_local(j, width, window_width)
+        local_i, local_j = (
+            _taming_local(i, height, window_height),
+            _taming_local(j, width, window_width),
+        )
         top, left = i - local_i, j - local_j
-        window = codes[:, top:top + window_height, left:left + window_width].reshape(len(codes), -1)
+        window = codes[:, top : top + window_height, left : left + window_width].reshape(
+            len(codes), -1
+        )
         local = local_i * window_width + local_j
 
         def logits_for(first):
             sequence = np.concatenate([np.asarray(first), window[:, :-1]], axis=1)
-            return forward({"params": params}, jnp.asarray(sequence))[:, prefix.shape[1] - 1 + local]
+            return forward({"params": params}, jnp.asarray(sequence))[
+                :, prefix.shape[1] - 1 + local
+            ]
 
         logits = logits_for(prefix)
         if guidance is not None:
@@ -157,8 +189,9 @@ def _reference_window_sampling(model, params, prefix, codes, start, rng, *, temp
 def test_window_schedule_is_taming_rule_and_refills_only_when_the_window_moves():
     for grid, window in [(9, 6), (6, 4), (16, 16), (32, 16), (40, 16)]:
         for position in range(grid):
-            assert sampling.window_origin(position, grid, window) == \
-                position - _taming_local(position, grid, window)
+            assert sampling.window_origin(position, grid, window) == position - _taming_local(
+                position, grid, window
+            )
     schedule = np.asarray(sampling.window_schedule((4, 6), (4, 6)))
     assert schedule[:, 4].tolist() == [1] + [0] * 23, "the trained grid is one cached pass"
     schedule = np.asarray(sampling.window_schedule((6, 9), WINDOW))
@@ -179,9 +212,12 @@ def test_sliding_window_equals_taming_recompute(gpt, settings):
     if "guidance" in settings:
         settings = dict(settings, null_prefix=jnp.full((2, 1), 36, jnp.int32))
     rng = jax.random.key(3)
-    codes, logits = sampling.sample_window(model, params, prefix, rng, (6, 9), WINDOW, num_codes=32,
-                                           return_logits=True, **settings)
-    expected = _reference_window_sampling(model, params, prefix, np.zeros((2, 6, 9)), 0, rng, **settings)
+    codes, logits = sampling.sample_window(
+        model, params, prefix, rng, (6, 9), WINDOW, num_codes=32, return_logits=True, **settings
+    )
+    expected = _reference_window_sampling(
+        model, params, prefix, np.zeros((2, 6, 9)), 0, rng, **settings
+    )
     np.testing.assert_array_equal(np.asarray(codes), expected)
     assert logits.shape == (2, 54, VOCAB)
     assert len(np.unique(np.asarray(codes))) > 5
@@ -191,9 +227,12 @@ def test_sliding_window_on_the_trained_grid_is_plain_sampling(gpt):
     model, params = gpt
     prefix = jnp.array([[34], [33], [35]], jnp.int32)
     rng = jax.random.key(11)
-    codes = sampling.sample_window(model, params, prefix, rng, WINDOW, WINDOW, num_codes=32,
-                                   temperature=0.8, top_p=0.9)
-    plain = sampling.sample(model, params, prefix, rng, 24, num_codes=32, temperature=0.8, top_p=0.9)
+    codes = sampling.sample_window(
+        model, params, prefix, rng, WINDOW, WINDOW, num_codes=32, temperature=0.8, top_p=0.9
+    )
+    plain = sampling.sample(
+        model, params, prefix, rng, 24, num_codes=32, temperature=0.8, top_p=0.9
+    )
     np.testing.assert_array_equal(np.asarray(codes).reshape(3, -1), np.asarray(plain))
 
 
@@ -204,30 +243,63 @@ def test_completion_keeps_rows_and_equals_recompute(gpt, grid):
     prefix = jnp.array([[34], [33]], jnp.int32)
     null = jnp.full((2, 1), 36, jnp.int32)
     rng = jax.random.key(9)
-    completed = sampling.complete(model, params, prefix, real, 2, rng, window_shape=WINDOW,
-                                  num_codes=32, temperature=1.1, guidance=1.5, null_prefix=null)
+    completed = sampling.complete(
+        model,
+        params,
+        prefix,
+        real,
+        2,
+        rng,
+        window_shape=WINDOW,
+        num_codes=32,
+        temperature=1.1,
+        guidance=1.5,
+        null_prefix=null,
+    )
     completed = np.asarray(completed)
     np.testing.assert_array_equal(completed[:, :2], np.asarray(real)[:, :2])
     assert not np.array_equal(completed[:, 2:], np.asarray(real)[:, 2:])
-    expected = _reference_window_sampling(model, params, prefix, real, 2 * grid[1], rng,
-                                          temperature=1.1, guidance=1.5, null_prefix=null)
+    expected = _reference_window_sampling(
+        model,
+        params,
+        prefix,
+        real,
+        2 * grid[1],
+        rng,
+        temperature=1.1,
+        guidance=1.5,
+        null_prefix=null,
+    )
     np.testing.assert_array_equal(completed, expected)
     if grid == WINDOW:  # and on the trained grid it continues the kept codes like ``sample``
         kept = jnp.concatenate([prefix, real[:, :2].reshape(2, -1)], axis=1)
         null_kept = jnp.concatenate([null, real[:, :2].reshape(2, -1)], axis=1)
-        plain = sampling.sample(model, params, kept, rng, 12, num_codes=32, temperature=1.1,
-                                guidance=1.5, null_prefix=null_kept)
+        plain = sampling.sample(
+            model,
+            params,
+            kept,
+            rng,
+            12,
+            num_codes=32,
+            temperature=1.1,
+            guidance=1.5,
+            null_prefix=null_kept,
+        )
         np.testing.assert_array_equal(completed[:, 2:].reshape(2, -1), np.asarray(plain))
 
 
 def test_bad_window_arguments_raise(gpt):
     model, params = gpt
     prefix = jnp.zeros((2, 1), jnp.int32)
-    with pytest.raises(ValueError, match=r"grid_shape \(3, 9\) must be at least the window_shape \(4, 6\)"):
+    with pytest.raises(
+        ValueError, match=r"grid_shape \(3, 9\) must be at least the window_shape \(4, 6\)"
+    ):
         sampling.sample_window(model, params, prefix, jax.random.key(0), (3, 9), WINDOW)
     with pytest.raises(ValueError, match=r"block_size=24"):
         sampling.sample_window(model, params, prefix, jax.random.key(0), (5, 7), (5, 7))
     with pytest.raises(ValueError, match="start=4 keeps codes, but codes is None"):
         sampling.sample_window(model, params, prefix, jax.random.key(0), WINDOW, WINDOW, start=4)
     with pytest.raises(ValueError, match=r"rows must be in \[1, 3\]"):
-        sampling.complete(model, params, prefix, jnp.zeros((2, 4, 6), jnp.int32), 4, jax.random.key(0))
+        sampling.complete(
+            model, params, prefix, jnp.zeros((2, 4, 6), jnp.int32), 4, jax.random.key(0)
+        )

@@ -1,12 +1,18 @@
 """Properties of attnjax.models.transformer that need no PyTorch: masks, layout, dropout, bad input."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close
 
+from attnjax.models.transformer import (
+    Transformer,
+    TransformerDecoder,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 from attnjax.ops.masks import padding_mask
-from attnjax.models.transformer import Transformer, TransformerDecoder, TransformerEncoder, TransformerEncoderLayer
 
 SMALL = dict(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
 
@@ -51,7 +57,9 @@ def test_post_norm_rows_are_normalised_and_layouts_agree(np_rng):
     # the decoder's final LayerNorm at init (scale 1, bias 0): zero mean, unit variance per token
     assert_close(out.mean(-1), np.zeros(out.shape[:2]), atol=1e-5, what="row means")
     assert_close(out.var(-1), np.ones(out.shape[:2]), rtol=1e-3, what="row variances")
-    sequence_first = Transformer(**SMALL, num_encoder_layers=1, num_decoder_layers=1, batch_first=False)
+    sequence_first = Transformer(
+        **SMALL, num_encoder_layers=1, num_decoder_layers=1, batch_first=False
+    )
     swapped = sequence_first.apply(variables, src.swapaxes(0, 1), tgt.swapaxes(0, 1))
     assert_close(np.asarray(swapped).swapaxes(0, 1), out, what="batch_first=False output")
 
@@ -62,14 +70,20 @@ def test_dropout_runs_only_when_not_deterministic(np_rng):
     variables = _init(layer, src)
     quiet = layer.apply(variables, src)
     assert_close(layer.apply(variables, src, deterministic=True), quiet, what="deterministic")
-    noisy = layer.apply(variables, src, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+    noisy = layer.apply(
+        variables, src, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}
+    )
     assert not np.allclose(noisy, quiet)
 
 
 @pytest.mark.parametrize(
     "module, shape, message",
     [
-        (TransformerEncoderLayer(**{**SMALL, "activation": "silu"}), (2, 5, 8), "activation='silu'"),
+        (
+            TransformerEncoderLayer(**{**SMALL, "activation": "silu"}),
+            (2, 5, 8),
+            "activation='silu'",
+        ),
         (TransformerEncoderLayer(**{**SMALL, "nhead": 3}), (2, 5, 8), "nhead=3 does not divide"),
         (TransformerEncoderLayer(**SMALL), (2, 5, 6), r"src must be \[batch, length, d_model\]"),
         (TransformerEncoder(**SMALL, batch_first=False), (5, 8), r"\[length, batch, d_model\]"),

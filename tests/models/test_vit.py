@@ -5,6 +5,7 @@ patches flattened (C, row, col), Linear patch embedding, class token, learned po
 pre-LN blocks with torch.nn.MultiheadAttention and a Linear-GELU-Linear MLP, final LayerNorm, head
 on the class token.
 """
+
 import re
 
 import chex
@@ -19,15 +20,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from attnjax.models import vit
 from attnjax.convert.timm import vit_from_torch_reference
+from attnjax.models import vit
 
 
 class TorchBlock(nn.Module):
     def __init__(self, hidden_size, mlp_size, n_heads, p_dropout):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size)
-        self.attention = nn.MultiheadAttention(hidden_size, n_heads, dropout=p_dropout, batch_first=True)
+        self.attention = nn.MultiheadAttention(
+            hidden_size, n_heads, dropout=p_dropout, batch_first=True
+        )
         self.norm2 = nn.LayerNorm(hidden_size)
         self.ffn = nn.Module()
         self.ffn.linear1 = nn.Linear(hidden_size, mlp_size)
@@ -42,8 +45,18 @@ class TorchBlock(nn.Module):
 
 
 class TorchViT(nn.Module):
-    def __init__(self, in_channels=3, patch_size=4, image_size=32, layers=6, hidden_size=256,
-                 mlp_size=512, n_heads=8, num_classes=10, p_dropout=0.2):
+    def __init__(
+        self,
+        in_channels=3,
+        patch_size=4,
+        image_size=32,
+        layers=6,
+        hidden_size=256,
+        mlp_size=512,
+        n_heads=8,
+        num_classes=10,
+        p_dropout=0.2,
+    ):
         super().__init__()
         self.patch_size = patch_size
         num_patches = (image_size // patch_size) ** 2
@@ -60,8 +73,15 @@ class TorchViT(nn.Module):
         """Returns (logits, per-layer attention weights, pre-logits)."""
         b, c, h, w = images_nchw.shape
         p = self.patch_size
-        x = images_nchw.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
-        x = torch.cat([self.cls_token.expand(b, -1, -1), self.patch_embed(x)], dim=1) + self.pos_embed
+        x = (
+            images_nchw.reshape(b, c, h // p, p, w // p, p)
+            .permute(0, 2, 4, 1, 3, 5)
+            .reshape(b, -1, c * p * p)
+        )
+        x = (
+            torch.cat([self.cls_token.expand(b, -1, -1), self.patch_embed(x)], dim=1)
+            + self.pos_embed
+        )
         weights = []
         for block in self.transformer_blocks:
             x, w_ = block(x)
@@ -70,8 +90,16 @@ class TorchViT(nn.Module):
         return self.head(pre_logits), weights, pre_logits
 
 
-SMALL = dict(in_channels=3, patch_size=4, image_size=16, layers=2, hidden_size=32, mlp_size=48,
-             n_heads=4, num_classes=5)
+SMALL = dict(
+    in_channels=3,
+    patch_size=4,
+    image_size=16,
+    layers=2,
+    hidden_size=32,
+    mlp_size=48,
+    n_heads=4,
+    num_classes=5,
+)
 
 
 def _perturbed(model, seed=0):
@@ -91,7 +119,11 @@ def _randomized(variables, scale=0.3):
 
 def _images(batch, size, channels=3, seed=0):
     height, width = (size, size) if isinstance(size, int) else size
-    return np.random.default_rng(seed).standard_normal((batch, height, width, channels)).astype(np.float32)
+    return (
+        np.random.default_rng(seed)
+        .standard_normal((batch, height, width, channels))
+        .astype(np.float32)
+    )
 
 
 def _torch_nchw(images_nhwc):
@@ -111,7 +143,9 @@ def test_logits_weights_and_pre_logits_match_the_pytorch_model(torch_pair):
     images = _images(3, 16)
     with torch.no_grad():
         logits_t, weights_t, pre_logits_t = reference(_torch_nchw(images))
-    logits, aux = jax.jit(model.apply, static_argnames="return_aux")(variables, images, return_aux=True)
+    logits, aux = jax.jit(model.apply, static_argnames="return_aux")(
+        variables, images, return_aux=True
+    )
     assert_close(logits, logits_t.numpy(), rtol=1e-5, atol=1e-6, what="logits")
     assert_close(aux["pre_logits"], pre_logits_t.numpy(), what="pre_logits")
     assert len(aux["attention_weights"]) == SMALL["layers"]
@@ -137,7 +171,9 @@ def test_cross_entropy_gradients_match_pytorch(torch_pair):
     grads = jax.jit(jax.grad(loss_fn))(variables["params"])
     flat_expected = dict(jax.tree_util.tree_leaves_with_path(expected["params"]))
     leaves = jax.tree_util.tree_leaves_with_path(grads)
-    assert len(leaves) == len(flat_expected) == len(list(reference.parameters())) + 4 * SMALL["layers"]  # in_proj -> q/k/v
+    assert (
+        len(leaves) == len(flat_expected) == len(list(reference.parameters())) + 4 * SMALL["layers"]
+    )  # in_proj -> q/k/v
     # Some gradients are zero in exact arithmetic (the key bias cannot change a softmax) and pure
     # rounding noise in both frameworks: the absolute floor is relative to the largest gradient.
     floor = 1e-6 * max(np.abs(np.asarray(g)).max() for g in flat_expected.values())
@@ -151,7 +187,15 @@ def test_cifar_variant_is_the_pytorch_reference_model():
     reference = _perturbed(TorchViT())  # its defaults: the "cifar" variant
     model, variables = vit_from_torch_reference(reference)
     cifar = vit.create_vit("cifar")
-    for field in ("patch_size", "width", "depth", "num_heads", "num_classes", "layer_norm_eps", "in_channels"):
+    for field in (
+        "patch_size",
+        "width",
+        "depth",
+        "num_heads",
+        "num_classes",
+        "layer_norm_eps",
+        "in_channels",
+    ):
         assert getattr(model, field) == getattr(cifar, field), field
     assert (model.mlp_dim, cifar.dropout_rate, cifar.image_size) == (512, 0.2, 32)
     images = _images(2, 32, seed=2)
@@ -160,14 +204,27 @@ def test_cifar_variant_is_the_pytorch_reference_model():
     # Six 256-wide float32 layers: the error is measured against the logits' scale (a logit that
     # happens to sit near 0 carries the same absolute rounding error as the others).
     logits = jax.jit(cifar.apply)(variables, images)
-    assert_close(logits, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), what="cifar logits")
+    assert_close(
+        logits, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(), what="cifar logits"
+    )
 
 
 def test_scan_layers_and_remat_give_identical_logits_and_gradients(torch_pair):
     _, model, variables = torch_pair
     images = _images(2, 16, seed=3)
-    fields = {f: getattr(model, f) for f in ("patch_size", "width", "depth", "num_heads", "mlp_dim",
-                                             "num_classes", "layer_norm_eps", "image_size")}
+    fields = {
+        f: getattr(model, f)
+        for f in (
+            "patch_size",
+            "width",
+            "depth",
+            "num_heads",
+            "mlp_dim",
+            "num_classes",
+            "layer_norm_eps",
+            "image_size",
+        )
+    }
     scanned = vit.ViT(**fields, scan_layers=True)
     scanned_params = vit.stack_block_params(variables["params"])
     assert "blocks" in scanned_params and "blocks_0" not in scanned_params
@@ -184,14 +241,19 @@ def test_scan_layers_and_remat_give_identical_logits_and_gradients(torch_pair):
     assert_close(logits_scan, logits, what="scan_layers=True logits")
     for ours, theirs in zip(aux_scan["attention_weights"], aux["attention_weights"], strict=True):
         assert_close(ours, theirs, what="scan attention weights")
-    assert_close(forward(model.clone(remat=True))(variables["params"])[0], logits, what="remat logits")
+    assert_close(
+        forward(model.clone(remat=True))(variables["params"])[0], logits, what="remat logits"
+    )
 
     def grads(module, params):
-        return jax.jit(jax.grad(lambda p: jnp.sum(module.apply({"params": p}, images) ** 2)))(params)
+        return jax.jit(jax.grad(lambda p: jnp.sum(module.apply({"params": p}, images) ** 2)))(
+            params
+        )
 
     plain = vit.stack_block_params(grads(model, variables["params"]))
-    chex.assert_trees_all_close(grads(scanned.clone(remat=True), scanned_params), plain,
-                                rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(
+        grads(scanned.clone(remat=True), scanned_params), plain, rtol=1e-5, atol=1e-7
+    )
 
 
 def test_bfloat16_compute_stays_close_to_float32(torch_pair):
@@ -211,16 +273,28 @@ def test_bfloat16_compute_stays_close_to_float32(torch_pair):
 )
 def test_parameter_counts_at_224_match_published(variant, published_millions):
     model = vit.create_vit(variant, num_classes=1000)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
+    shapes = jax.eval_shape(
+        model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
+    )
     count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
     assert round(count / 1e6, 1) == published_millions, count
 
 
 def test_variant_table():
-    assert vit.variant_config("S/16") == dict(width=384, depth=12, mlp_dim=1536, num_heads=6, patch_size=16)
-    assert vit.variant_config("B/32")["patch_size"] == 32 and vit.variant_config("Ti/8")["width"] == 192
+    assert vit.variant_config("S/16") == dict(
+        width=384, depth=12, mlp_dim=1536, num_heads=6, patch_size=16
+    )
+    assert (
+        vit.variant_config("B/32")["patch_size"] == 32
+        and vit.variant_config("Ti/8")["width"] == 192
+    )
     model = vit.create_vit("L/16", num_classes=10, dtype=jnp.bfloat16)
-    assert (model.depth, model.num_heads, model.num_classes, model.dtype) == (24, 16, 10, jnp.bfloat16)
+    assert (model.depth, model.num_heads, model.num_classes, model.dtype) == (
+        24,
+        16,
+        10,
+        jnp.bfloat16,
+    )
 
 
 @pytest.mark.parametrize("variant", ["X/16", "S16", "S/", "s/16", "", "B/0"])
@@ -252,7 +326,9 @@ def test_patchify_matches_the_torch_patch_order_up_to_pixel_order():
     images = _images(2, (8, 12), channels=3, seed=5)
     patches = np.asarray(vit.patchify(images, 4))  # [2, 2 * 3, 4 * 4 * 3], pixels (row, col, C)
     nchw = images.transpose(0, 3, 1, 2)
-    torch_order = nchw.reshape(2, 3, 2, 4, 3, 4).transpose(0, 2, 4, 1, 3, 5).reshape(2, 6, 48)  # (C, row, col)
+    torch_order = (
+        nchw.reshape(2, 3, 2, 4, 3, 4).transpose(0, 2, 4, 1, 3, 5).reshape(2, 6, 48)
+    )  # (C, row, col)
     reordered = patches.reshape(2, 6, 4, 4, 3).transpose(0, 1, 4, 2, 3).reshape(2, 6, 48)
     np.testing.assert_array_equal(reordered, torch_order)
     np.testing.assert_array_equal(patches[1, 4], images[1, 4:8, 4:8].reshape(-1))  # patch (1, 1)
@@ -272,15 +348,26 @@ def test_patchify_property(batch, grid, patch, channels):
     patches = np.asarray(vit.patchify(images, patch))
     assert patches.shape == (batch, grid[0] * grid[1], patch[0] * patch[1] * channels)
     row, col = grid[0] - 1, grid[1] - 1  # the last patch: row-major token order
-    window = images[:, row * patch[0]:, col * patch[1]:]
+    window = images[:, row * patch[0] :, col * patch[1] :]
     np.testing.assert_array_equal(patches[:, -1], window.reshape(batch, -1))
     np.testing.assert_array_equal(vit.unpatchify(patches, grid, patch, channels), images)
 
 
-@pytest.mark.parametrize("pool, posemb, class_token", [("gap", "sincos2d", False), ("cls", "learn", True)])
+@pytest.mark.parametrize(
+    "pool, posemb, class_token", [("gap", "sincos2d", False), ("cls", "learn", True)]
+)
 def test_options_non_square_and_gap(pool, posemb, class_token):
-    model = vit.ViT(num_classes=3, patch_size=(4, 2), width=16, depth=2, num_heads=2, mlp_ratio=2.0,
-                    pool=pool, posemb=posemb, class_token=class_token)
+    model = vit.ViT(
+        num_classes=3,
+        patch_size=(4, 2),
+        width=16,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        pool=pool,
+        posemb=posemb,
+        class_token=class_token,
+    )
     images = _images(2, (8, 12), seed=6)  # grid 2 x 6
     variables = _randomized(jax.jit(model.init)(jax.random.key(0), images))
     logits, aux = jax.jit(lambda v: model.apply(v, images, return_aux=True))(variables)
@@ -292,7 +379,9 @@ def test_options_non_square_and_gap(pool, posemb, class_token):
     params = variables["params"]
     expected = aux["pre_logits"] @ params["head"]["kernel"] + params["head"]["bias"]
     assert_close(logits, expected, what="head(pre_logits)")
-    heat = vit.attention_rollout(aux["attention_weights"], (2, 6), num_prefix_tokens=int(class_token))
+    heat = vit.attention_rollout(
+        aux["attention_weights"], (2, 6), num_prefix_tokens=int(class_token)
+    )
     assert heat.shape == (2, 2, 6) and bool(jnp.all(heat >= 0))
 
 
@@ -301,7 +390,9 @@ def test_dropout_and_stochastic_depth():
     x = jax.random.normal(jax.random.key(0), (4000, 3, 4))
     params = jax.jit(block.init)(jax.random.key(1), x)
     full = jax.jit(vit.EncoderBlock(num_heads=2, mlp_dim=8).apply)(params, x)[0]
-    dropped = jax.jit(lambda rate: block.apply(params, x, rate, rngs={"dropout": jax.random.key(2)})[0])
+    dropped = jax.jit(
+        lambda rate: block.apply(params, x, rate, rngs={"dropout": jax.random.key(2)})[0]
+    )
     half = dropped(0.5)
     # Each sample keeps both residual branches (scaled by 2), one of them, or neither.
     untouched = np.all(np.isclose(half, x, atol=1e-6), axis=(1, 2))

@@ -1,5 +1,6 @@
 """attnjax.models.vqgan against taming-transformers 0.0.1 (PyTorch), with weights converted from
 randomly initialised taming modules by attnjax.convert.taming."""
+
 import functools
 
 import chex
@@ -15,18 +16,36 @@ from taming.modules.discriminator.model import NLayerDiscriminator as TorchDiscr
 from taming.modules.discriminator.model import weights_init
 from taming.modules.vqvae.quantize import VectorQuantizer as TorchVectorQuantizer
 
-from attnjax.models import vector_quantizer
-from attnjax.models import discriminator
-from attnjax.models import vqgan
 from attnjax.convert import taming as taming_convert
+from attnjax.models import discriminator, vector_quantizer, vqgan
 
 # One config with attention below the top level, one with several ch_mult levels and no
 # attention outside the middle block; GroupNorm(32) needs widths that are multiples of 32.
 DDCONFIGS = {
-    "attention": dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=(8,), in_channels=3,
-                      out_ch=3, resolution=16, z_channels=16, double_z=False, dropout=0.0),
-    "levels": dict(ch=32, ch_mult=(1, 1, 2), num_res_blocks=2, attn_resolutions=(), in_channels=1,
-                   out_ch=1, resolution=16, z_channels=8, double_z=False, dropout=0.0),
+    "attention": dict(
+        ch=32,
+        ch_mult=(1, 2),
+        num_res_blocks=1,
+        attn_resolutions=(8,),
+        in_channels=3,
+        out_ch=3,
+        resolution=16,
+        z_channels=16,
+        double_z=False,
+        dropout=0.0,
+    ),
+    "levels": dict(
+        ch=32,
+        ch_mult=(1, 1, 2),
+        num_res_blocks=2,
+        attn_resolutions=(),
+        in_channels=1,
+        out_ch=1,
+        resolution=16,
+        z_channels=8,
+        double_z=False,
+        dropout=0.0,
+    ),
 }
 N_EMBED, EMBED_DIM = 32, 8
 
@@ -62,8 +81,12 @@ def _randomise_norms(module, generator):
                 layer.weight.add_(0.2 * torch.randn(layer.weight.shape, generator=generator))
                 layer.bias.add_(0.2 * torch.randn(layer.bias.shape, generator=generator))
             if isinstance(layer, torch.nn.BatchNorm2d):
-                layer.running_mean.copy_(0.1 * torch.randn(layer.running_mean.shape, generator=generator))
-                layer.running_var.copy_(1 + torch.rand(layer.running_var.shape, generator=generator))
+                layer.running_mean.copy_(
+                    0.1 * torch.randn(layer.running_mean.shape, generator=generator)
+                )
+                layer.running_var.copy_(
+                    1 + torch.rand(layer.running_var.shape, generator=generator)
+                )
 
 
 def _nchw(x):
@@ -83,8 +106,14 @@ def _converted(name):
     _randomise_norms(reference, generator)
     with torch.no_grad():  # codes on the scale of the encodings, so that many codes get picked
         reference.quantize.embedding.weight.normal_(0.0, 0.3, generator=generator)
-    model, variables = taming_convert.vqgan_from_taming(reference.state_dict(), ddconfig, N_EMBED, EMBED_DIM)
-    images = np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, ddconfig["in_channels"])).astype(np.float32)
+    model, variables = taming_convert.vqgan_from_taming(
+        reference.state_dict(), ddconfig, N_EMBED, EMBED_DIM
+    )
+    images = (
+        np.random.default_rng(0)
+        .uniform(-1, 1, (2, 16, 16, ddconfig["in_channels"]))
+        .astype(np.float32)
+    )
     return reference, model, variables, images
 
 
@@ -109,7 +138,9 @@ def test_full_encode_quantize_decode_matches_taming(converted):
     with torch.no_grad():
         expected, qloss, indices, quant = reference(_nchw(images))
     reconstruction, aux = model.apply(variables, jnp.asarray(images))
-    np.testing.assert_array_equal(np.asarray(aux["indices"]).reshape(-1), indices.numpy().reshape(-1))
+    np.testing.assert_array_equal(
+        np.asarray(aux["indices"]).reshape(-1), indices.numpy().reshape(-1)
+    )
     assert len(np.unique(indices.numpy())) > 3, "test is weak: the encodings hit too few codes"
     quantized, _, _ = model.apply(variables, jnp.asarray(images), method=model.encode)
     assert_relative(quantized, _nhwc(quant), what="quantized latents")
@@ -122,7 +153,9 @@ def test_full_encode_quantize_decode_matches_taming(converted):
 def test_gradients_match_taming():
     """The straight-through estimator and legacy loss: gradients of one scalar agree."""
     reference, model, variables, images = _converted("attention")
-    weights = np.random.default_rng(1).normal(size=images.shape[:3] + (reference.decoder.conv_out.out_channels,))
+    weights = np.random.default_rng(1).normal(
+        size=images.shape[:3] + (reference.decoder.conv_out.out_channels,)
+    )
     weights = weights.astype(np.float32)
     reference.zero_grad()
     expected, qloss, _, _ = reference(_nchw(images))
@@ -163,9 +196,9 @@ def test_vector_quantizer_matches_taming():
         quantized, _, aux = quantizer.apply(params, z)
         return aux["loss"] + jnp.sum(quantized**3), (quantized, aux)
 
-    (value, (quantized, aux)), (grad_params, grad_z) = jax.value_and_grad(objective, (0, 1), has_aux=True)(
-        params, jnp.asarray(z)
-    )
+    (value, (quantized, aux)), (grad_params, grad_z) = jax.value_and_grad(
+        objective, (0, 1), has_aux=True
+    )(params, jnp.asarray(z))
     _, ours_indices, _ = quantizer.apply(params, jnp.asarray(z))
     np.testing.assert_array_equal(np.asarray(ours_indices).reshape(-1), indices.numpy().reshape(-1))
     assert_close(quantized, _nhwc(z_q), what="quantized")
@@ -173,7 +206,11 @@ def test_vector_quantizer_matches_taming():
     assert_close(aux["perplexity"], perplexity.item(), what="perplexity")
     assert_close(aux["codebook_usage"], len(np.unique(indices.numpy())) / 64, what="usage")
     assert_close(grad_z, _nhwc(z_torch.grad), what="grad wrt z (straight-through)")
-    assert_close(grad_params["params"]["embedding"], reference.embedding.weight.grad.numpy(), what="grad wrt codebook")
+    assert_close(
+        grad_params["params"]["embedding"],
+        reference.embedding.weight.grad.numpy(),
+        what="grad wrt codebook",
+    )
 
 
 def test_non_legacy_loss_puts_beta_on_commitment():
@@ -204,7 +241,9 @@ def test_l2_normalised_codes_pick_the_most_cosine_similar_code():
         codes / np.linalg.norm(codes, axis=1, keepdims=True)
     ).T
     np.testing.assert_array_equal(np.asarray(indices).reshape(-1), cosine.argmax(1))
-    assert_close(np.linalg.norm(np.asarray(quantized), axis=-1), np.ones((2, 3, 3)), what="unit-norm codes")
+    assert_close(
+        np.linalg.norm(np.asarray(quantized), axis=-1), np.ones((2, 3, 3)), what="unit-norm codes"
+    )
 
 
 def test_lookup_dim_projects_in_and_out():
@@ -217,7 +256,9 @@ def test_lookup_dim_projects_in_and_out():
     codes = np.asarray(p["embedding"])
     nearest = ((low.reshape(-1, 1, 2) - codes) ** 2).sum(-1).argmin(-1)
     np.testing.assert_array_equal(np.asarray(indices).reshape(-1), nearest)
-    expected = codes[nearest] @ np.asarray(p["out_proj"]["kernel"]) + np.asarray(p["out_proj"]["bias"])
+    expected = codes[nearest] @ np.asarray(p["out_proj"]["kernel"]) + np.asarray(
+        p["out_proj"]["bias"]
+    )
     assert_close(quantized, expected.reshape(2, 3, 3, 8), what="projected-back codes")
     assert aux["latents"].shape == (18, 2)
 
@@ -246,9 +287,13 @@ def test_ema_update_and_dead_code_reseeding():
     dead = usage < 0.5
     new_codes = np.asarray(new_state["quantize"]["embedding"])
     assert int(reseeded) == dead.sum() > 0
-    assert_close(new_codes[~dead], np.asarray(state["vq_state"]["embedding"])[~dead], what="live codes kept")
+    assert_close(
+        new_codes[~dead], np.asarray(state["vq_state"]["embedding"])[~dead], what="live codes kept"
+    )
     for code in new_codes[dead]:
-        assert np.isclose(flat, code, rtol=1e-6).all(1).any(), "a dead code must be reseeded from a latent"
+        assert np.isclose(flat, code, rtol=1e-6).all(1).any(), (
+            "a dead code must be reseeded from a latent"
+        )
     assert (np.asarray(new_state["quantize"]["usage"])[dead] == 1.0).all()
 
 
@@ -261,19 +306,25 @@ def test_nlayer_discriminator_matches_taming_in_eval_mode():
         expected = reference(_nchw(images))
     model, variables = taming_convert.nlayer_discriminator_from_taming(reference.state_dict())
     assert (model.ndf, model.n_layers, model.norm) == (16, 2, "batch")
-    assert_relative(model.apply(variables, jnp.asarray(images)), _nhwc(expected), what="PatchGAN logits")
+    assert_relative(
+        model.apply(variables, jnp.asarray(images)), _nhwc(expected), what="PatchGAN logits"
+    )
 
 
 def test_actnorm_discriminator_matches_taming():
     torch.manual_seed(0)
-    reference = TorchDiscriminator(input_nc=1, ndf=8, n_layers=2, use_actnorm=True).apply(weights_init)
+    reference = TorchDiscriminator(input_nc=1, ndf=8, n_layers=2, use_actnorm=True).apply(
+        weights_init
+    )
     images = np.random.default_rng(0).uniform(-1, 1, (3, 16, 16, 1)).astype(np.float32)
     with torch.no_grad():
         reference(_nchw(images))  # ActNorm initialises itself on the first training batch
         expected = reference.eval()(_nchw(images[:2]))
     model, variables = taming_convert.nlayer_discriminator_from_taming(reference.state_dict())
     assert model.norm == "actnorm"
-    assert_relative(model.apply(variables, jnp.asarray(images[:2])), _nhwc(expected), what="ActNorm PatchGAN")
+    assert_relative(
+        model.apply(variables, jnp.asarray(images[:2])), _nhwc(expected), what="ActNorm PatchGAN"
+    )
 
 
 def test_actnorm_init_matches_taming():
@@ -285,33 +336,61 @@ def test_actnorm_init_matches_taming():
     with torch.no_grad():
         expected = reference(_nchw(x))
     variables = discriminator.ActNorm().init(jax.random.PRNGKey(0), jnp.asarray(x))
-    assert_close(variables["params"]["loc"], reference.loc.detach().numpy().reshape(-1), what="ActNorm loc")
-    assert_close(variables["params"]["scale"], reference.scale.detach().numpy().reshape(-1), what="ActNorm scale")
-    assert_relative(discriminator.ActNorm().apply(variables, jnp.asarray(x)), _nhwc(expected), what="ActNorm output")
+    assert_close(
+        variables["params"]["loc"], reference.loc.detach().numpy().reshape(-1), what="ActNorm loc"
+    )
+    assert_close(
+        variables["params"]["scale"],
+        reference.scale.detach().numpy().reshape(-1),
+        what="ActNorm scale",
+    )
+    assert_relative(
+        discriminator.ActNorm().apply(variables, jnp.asarray(x)),
+        _nhwc(expected),
+        what="ActNorm output",
+    )
 
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="multiple of 32"):
-        vqgan.Encoder(ch=16, ch_mult=(1,), num_res_blocks=1, attn_resolutions=(), in_channels=3,
-                      resolution=8, z_channels=4).init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3)))
+        vqgan.Encoder(
+            ch=16,
+            ch_mult=(1,),
+            num_res_blocks=1,
+            attn_resolutions=(),
+            in_channels=3,
+            resolution=8,
+            z_channels=4,
+        ).init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3)))
     model = vqgan.create_vqgan(DDCONFIGS["levels"], N_EMBED, EMBED_DIM)
     with pytest.raises(ValueError, match="divisible by 4"):
         model.init(jax.random.PRNGKey(0), jnp.zeros((1, 10, 10, 1)))
     with pytest.raises(ValueError, match="unknown ddconfig keys"):
         vqgan.create_vqgan(dict(DDCONFIGS["levels"], give_pre_end=True), N_EMBED, EMBED_DIM)
     with pytest.raises(ValueError, match="double_z"):
-        taming_convert.vqgan_from_taming({}, dict(DDCONFIGS["levels"], double_z=True), N_EMBED, EMBED_DIM)
+        taming_convert.vqgan_from_taming(
+            {}, dict(DDCONFIGS["levels"], double_z=True), N_EMBED, EMBED_DIM
+        )
 
 
 @pytest.mark.parametrize("use_actnorm", [False, True], ids=["batchnorm", "actnorm"])
 def test_discriminator_conv_biases_follow_taming(use_actnorm):
     """taming drops a conv's bias only before a BatchNorm; with ActNorm every conv keeps one."""
     reference = TorchDiscriminator(input_nc=1, ndf=8, n_layers=3, use_actnorm=use_actnorm)
-    taming = {i: layer.bias is not None for i, layer in enumerate(reference.main)
-              if isinstance(layer, torch.nn.Conv2d)}
-    model = discriminator.NLayerDiscriminator(ndf=8, n_layers=3, norm="actnorm" if use_actnorm else "batch")
+    taming = {
+        i: layer.bias is not None
+        for i, layer in enumerate(reference.main)
+        if isinstance(layer, torch.nn.Conv2d)
+    }
+    model = discriminator.NLayerDiscriminator(
+        ndf=8, n_layers=3, norm="actnorm" if use_actnorm else "batch"
+    )
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((2, 32, 32, 1)))["params"]
-    ours = {int(name[len("main_"):]): "bias" in leaves for name, leaves in params.items() if "kernel" in leaves}
+    ours = {
+        int(name[len("main_") :]): "bias" in leaves
+        for name, leaves in params.items()
+        if "kernel" in leaves
+    }
     assert ours == taming
     assert all(taming.values()) == use_actnorm
 
@@ -326,8 +405,11 @@ def test_codebook_statistics_count_weighted_examples():
     assert_close(stats["perplexity"], expected, what="weighted perplexity")
     assert_close(stats["codebook_usage"], 3 / 5, what="weighted usage")
     plain = vector_quantizer.codebook_statistics(jnp.asarray(indices), 5)
-    assert_close(plain["perplexity"], np.exp(-np.sum(np.array([2, 3, 4, 3]) / 12 * np.log(np.array([2, 3, 4, 3]) / 12))),
-                 what="unweighted perplexity")
+    assert_close(
+        plain["perplexity"],
+        np.exp(-np.sum(np.array([2, 3, 4, 3]) / 12 * np.log(np.array([2, 3, 4, 3]) / 12))),
+        what="unweighted perplexity",
+    )
     assert_close(plain["codebook_usage"], 4 / 5, what="unweighted usage")
     with pytest.raises(ValueError, match=r"weights must be \[batch\] = \(3,\)"):
         vector_quantizer.codebook_statistics(jnp.asarray(indices), 5, jnp.ones(4))
@@ -339,12 +421,20 @@ def test_reseeding_a_trained_codebook_replaces_only_the_dead_codes():
     variables = quantizer.init(jax.random.PRNGKey(0), z)
     (_, _, aux), state = quantizer.apply(variables, z, train=True, mutable=["vq_state"])
     params, vq_state = {"quantize": variables["params"]}, {"quantize": state["vq_state"]}
-    new_params, new_state, reseeded = vector_quantizer.reseed_dead_codes(params, vq_state, aux["latents"],
-                                                              jax.random.PRNGKey(1), threshold=0.5)
+    new_params, new_state, reseeded = vector_quantizer.reseed_dead_codes(
+        params, vq_state, aux["latents"], jax.random.PRNGKey(1), threshold=0.5
+    )
     dead = np.asarray(vq_state["quantize"]["usage"]) < 0.5
-    codes, new_codes = np.asarray(params["quantize"]["embedding"]), np.asarray(new_params["quantize"]["embedding"])
+    codes, new_codes = (
+        np.asarray(params["quantize"]["embedding"]),
+        np.asarray(new_params["quantize"]["embedding"]),
+    )
     assert int(reseeded) == dead.sum() > 0
     np.testing.assert_array_equal(new_codes[~dead], codes[~dead])
-    assert all(np.isclose(np.asarray(aux["latents"]), code).all(1).any() for code in new_codes[dead])
+    assert all(
+        np.isclose(np.asarray(aux["latents"]), code).all(1).any() for code in new_codes[dead]
+    )
     np.testing.assert_array_equal(np.asarray(new_state["quantize"]["usage"])[dead], 1.0)
-    chex.assert_trees_all_equal(params["quantize"]["embedding"], codes)  # the caller's tree is untouched
+    chex.assert_trees_all_equal(
+        params["quantize"]["embedding"], codes
+    )  # the caller's tree is untouched

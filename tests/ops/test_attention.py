@@ -1,4 +1,5 @@
 """attnjax.ops.attention against torch.nn.functional.scaled_dot_product_attention and by construction."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +9,8 @@ from helpers import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnjax.ops import masks
 from attnjax.models import multihead
-from attnjax.ops import attention
+from attnjax.ops import attention, masks
 
 F = torch.nn.functional
 # Jitted once per shape: one XLA compile per test case instead of one per eager op.
@@ -24,7 +24,9 @@ def torch_sdpa(query, key, value, mask=None, is_causal=False, scale=None):
     """PyTorch reference; a boolean/float numpy mask is passed as ``attn_mask``."""
     args = [torch.tensor(np.asarray(x)) for x in (query, key, value)]
     attn_mask = None if mask is None else torch.tensor(np.asarray(mask))
-    return F.scaled_dot_product_attention(*args, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(
+        *args, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+    )
 
 
 def fully_masked_rows(mask, is_causal, shape_ls):
@@ -66,8 +68,17 @@ def random_mask(rng, kind, shape):
     seed=st.integers(0, 2**16),
 )
 def test_sdpa_matches_torch(
-    leading, key_leading_ones, length, key_length, depth, value_depth, mask_kind, mask_leading,
-    is_causal, scale, seed,
+    leading,
+    key_leading_ones,
+    length,
+    key_length,
+    depth,
+    value_depth,
+    mask_kind,
+    mask_leading,
+    is_causal,
+    scale,
+    seed,
 ):
     rng = np.random.default_rng(seed)
     key_leading = tuple(1 for _ in leading) if key_leading_ones else leading
@@ -79,14 +90,20 @@ def test_sdpa_matches_torch(
     if is_causal and mask is not None:
         # PyTorch refuses attn_mask together with is_causal; fold the causal part into its mask.
         causal = np.tril(np.ones((length, key_length), dtype=bool))
-        mask = mask & causal if mask.dtype == bool else np.where(causal, mask, -np.inf).astype(np.float32)
+        mask = (
+            mask & causal
+            if mask.dtype == bool
+            else np.where(causal, mask, -np.inf).astype(np.float32)
+        )
         is_causal = False
 
     ours = SDPA(query, key, value, mask, is_causal=is_causal, scale=scale)
     theirs = torch_sdpa(query, key, value, mask, is_causal, scale).numpy()
     assert ours.shape == theirs.shape
 
-    dead = np.broadcast_to(fully_masked_rows(mask, is_causal, (length, key_length)), theirs.shape[:-1])
+    dead = np.broadcast_to(
+        fully_masked_rows(mask, is_causal, (length, key_length)), theirs.shape[:-1]
+    )
     ours = np.asarray(ours)
     assert np.all(ours[dead] == 0.0), "fully masked rows must be zeros"
     assert_close(ours[~dead], theirs[~dead], what="attention output")
@@ -94,7 +111,13 @@ def test_sdpa_matches_torch(
 
 @pytest.mark.parametrize(
     "mask_kind, is_causal, value_depth",
-    [("none", False, 8), ("bool", False, 8), ("float", False, 5), ("none", True, 8), ("bool", False, 12)],
+    [
+        ("none", False, 8),
+        ("bool", False, 8),
+        ("float", False, 5),
+        ("none", True, 8),
+        ("bool", False, 12),
+    ],
 )
 def test_sdpa_gradients_match_torch(mask_kind, is_causal, value_depth):
     rng = np.random.default_rng(1)
@@ -115,7 +138,9 @@ def test_sdpa_gradients_match_torch(mask_kind, is_causal, value_depth):
 
     tensors = [torch.tensor(x, requires_grad=True) for x in (query, key, value)]
     attn_mask = None if mask is None else torch.tensor(mask)
-    out = F.scaled_dot_product_attention(*tensors, attn_mask=attn_mask, is_causal=is_causal, scale=0.3)
+    out = F.scaled_dot_product_attention(
+        *tensors, attn_mask=attn_mask, is_causal=is_causal, scale=0.3
+    )
     (out * torch.tensor(cotangent)).sum().backward()
     for name, ours, tensor in zip(("query", "key", "value"), grads, tensors):
         assert_close(ours, tensor.grad.numpy(), what=f"d loss / d {name}")
@@ -140,8 +165,14 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
 
 @pytest.mark.parametrize(
     "mask_kind, is_causal, key_length",
-    [("none", False, 7), ("bool", False, 7), ("float", True, 7), ("none", True, 7), ("none", True, 5),
-     ("bool", True, 5)],
+    [
+        ("none", False, 7),
+        ("bool", False, 7),
+        ("float", True, 7),
+        ("none", True, 7),
+        ("none", True, 5),
+        ("bool", True, 5),
+    ],
 )
 def test_fused_and_explicit_paths_agree(mask_kind, is_causal, key_length):
     rng = np.random.default_rng(3)
@@ -153,6 +184,7 @@ def test_fused_and_explicit_paths_agree(mask_kind, is_causal, key_length):
         mask[0, 0, 2] = False if mask.dtype == bool else -np.inf  # one fully masked row
     results = {}
     for implementation in ("xla", "explicit"):
+
         def fn(q, k, v, implementation=implementation):
             return attention.dot_product_attention(
                 q, k, v, mask, is_causal=is_causal, implementation=implementation
@@ -176,7 +208,10 @@ def test_weights_match_softmax_formula():
     rng = np.random.default_rng(4)
     query, key, value = (rng.normal(size=(3, 4, 6)).astype(np.float64) for _ in range(3))
     out, weights = attention.scaled_dot_product_attention(
-        query.astype(np.float32), key.astype(np.float32), value.astype(np.float32), return_weights=True
+        query.astype(np.float32),
+        key.astype(np.float32),
+        value.astype(np.float32),
+        return_weights=True,
     )
     scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(6)
     expected = np.exp(scores - scores.max(-1, keepdims=True))
@@ -314,7 +349,9 @@ def test_mha_decode_with_padding_mask_and_weights():
         )
     )({"params": variables["params"]})
     step = jax.jit(
-        lambda v, chunk: module.apply(v, chunk, mask=keys_valid, return_weights=True, mutable=["cache"])
+        lambda v, chunk: module.apply(
+            v, chunk, mask=keys_valid, return_weights=True, mutable=["cache"]
+        )
     )
     cache, outputs, weights = variables["cache"], [], []
     for start, stop in [(0, 2), (2, 3), (3, 6)]:
@@ -323,7 +360,11 @@ def test_mha_decode_with_padding_mask_and_weights():
         outputs.append(out)
         weights.append(w)
     assert_close(jnp.concatenate(outputs, axis=1), full, what="decode with padding")
-    assert_close(jnp.concatenate(weights, axis=2), full_weights, what="decode weights [batch, heads, T, max_length]")
+    assert_close(
+        jnp.concatenate(weights, axis=2),
+        full_weights,
+        what="decode weights [batch, heads, T, max_length]",
+    )
 
 
 def test_mha_dropout_uses_rng_only_when_training():
@@ -331,7 +372,9 @@ def test_mha_dropout_uses_rng_only_when_training():
     module = multihead.MultiHeadAttention(num_heads=2, dropout_rate=0.5)
     variables = jax.jit(module.init)(jax.random.key(0), x)
     eval_out, weights = jax.jit(lambda v: module.apply(v, x, return_weights=True))(variables)
-    train = jax.jit(lambda rng: module.apply(variables, x, deterministic=False, rngs={"dropout": rng}))
+    train = jax.jit(
+        lambda rng: module.apply(variables, x, deterministic=False, rngs={"dropout": rng})
+    )
     a, b = train(jax.random.key(1)), train(jax.random.key(1))
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, eval_out)
@@ -362,6 +405,7 @@ def test_jit_grad_vmap_through_public_functions():
     bthd = [np.swapaxes(t, 1, 2) for t in (q, k, v)]
     fused = jax.jit(lambda *a: attention.dot_product_attention(*a, is_causal=True))(*bthd)
     assert_close(np.swapaxes(fused, 1, 2), expected, what="jit dot_product_attention")
+
     def one_example(*qkv):
         return attention.dot_product_attention(*(t[None] for t in qkv), is_causal=True)[0]
 
@@ -393,22 +437,44 @@ def test_jit_grad_vmap_through_public_functions():
 
 
 def _mha(num_heads, *inputs, **kwargs):
-    return multihead.MultiHeadAttention(num_heads=num_heads).init(jax.random.key(0), *inputs, **kwargs)
+    return multihead.MultiHeadAttention(num_heads=num_heads).init(
+        jax.random.key(0), *inputs, **kwargs
+    )
 
 
 ones = np.ones
 SDPA_ERRORS = [
-    ((ones((2, 3, 4)), ones((2, 5, 4)), ones((2, 6, 4))), {},
-     r"key and value lengths differ: key shape \(2, 5, 4\), value shape \(2, 6, 4\)"),
-    ((ones((3, 4)), ones((5, 3)), ones((5, 3))), {},
-     r"query and key feature sizes differ: query shape \(3, 4\), key shape \(5, 3\)"),
+    (
+        (ones((2, 3, 4)), ones((2, 5, 4)), ones((2, 6, 4))),
+        {},
+        r"key and value lengths differ: key shape \(2, 5, 4\), value shape \(2, 6, 4\)",
+    ),
+    (
+        (ones((3, 4)), ones((5, 3)), ones((5, 3))),
+        {},
+        r"query and key feature sizes differ: query shape \(3, 4\), key shape \(5, 3\)",
+    ),
     ((ones(4), ones((5, 4)), ones((5, 4))), {}, r"query must have rank >= 2.*got shape \(4,\)"),
-    ((ones((2, 3, 4)), ones((2, 5, 4)), ones((2, 5, 4)), ones((3, 4), bool)), {},
-     r"mask of shape \(3, 4\) does not broadcast to \(2, 3, 5\)"),
-    ((ones((2, 3, 4)), ones((3, 5, 4)), ones((3, 5, 4))), {},
-     r"leading dims do not broadcast: query shape \(2, 3, 4\), key shape \(3, 5, 4\)"),
-    ((ones((3, 4)), ones((5, 4)), ones((5, 4))), {"dropout_rate": 0.1}, r"dropout_rate=0.1 needs a dropout_rng"),
-    ((ones((3, 4)), ones((5, 4)), ones((5, 4))), {"dropout_rate": 1.0}, r"dropout_rate must be in \[0, 1\)"),
+    (
+        (ones((2, 3, 4)), ones((2, 5, 4)), ones((2, 5, 4)), ones((3, 4), bool)),
+        {},
+        r"mask of shape \(3, 4\) does not broadcast to \(2, 3, 5\)",
+    ),
+    (
+        (ones((2, 3, 4)), ones((3, 5, 4)), ones((3, 5, 4))),
+        {},
+        r"leading dims do not broadcast: query shape \(2, 3, 4\), key shape \(3, 5, 4\)",
+    ),
+    (
+        (ones((3, 4)), ones((5, 4)), ones((5, 4))),
+        {"dropout_rate": 0.1},
+        r"dropout_rate=0.1 needs a dropout_rng",
+    ),
+    (
+        (ones((3, 4)), ones((5, 4)), ones((5, 4))),
+        {"dropout_rate": 1.0},
+        r"dropout_rate must be in \[0, 1\)",
+    ),
 ]
 
 
@@ -421,18 +487,39 @@ def test_bad_sdpa_inputs_raise_value_error(args, kwargs, message):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: attention.dot_product_attention(ones((2, 3, 4)), ones((2, 3, 4)), ones((2, 3, 4))),
-         r"query must be \[batch, length, heads, head_dim\], got shape \(2, 3, 4\)"),
-        (lambda: attention.dot_product_attention(ones((1, 3, 2, 4)), ones((1, 5, 2, 4)), ones((1, 4, 2, 4))),
-         r"value shape \(1, 4, 2, 4\) does not match key shape \(1, 5, 2, 4\)"),
-        (lambda: _mha(3, jnp.ones((1, 2, 8))), r"num_heads=3 does not divide the query feature size 8"),
-        (lambda: _mha(2, jnp.ones((2, 8))), r"inputs_q must be \[batch, length, features\], got shape \(2, 8\)"),
-        (lambda: _mha(2, jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8)), jnp.ones((1, 4, 8))),
-         r"batch/length mismatch: inputs_q shape \(1, 2, 8\), inputs_k shape \(1, 3, 8\)"),
-        (lambda: _mha(2, jnp.ones((1, 2, 8)), mask=jnp.ones((3, 2, 2), bool)),
-         r"mask of shape \(3, 2, 2\) does not broadcast to \(1, 2, 2, 2\)"),
+        (
+            lambda: attention.dot_product_attention(
+                ones((2, 3, 4)), ones((2, 3, 4)), ones((2, 3, 4))
+            ),
+            r"query must be \[batch, length, heads, head_dim\], got shape \(2, 3, 4\)",
+        ),
+        (
+            lambda: attention.dot_product_attention(
+                ones((1, 3, 2, 4)), ones((1, 5, 2, 4)), ones((1, 4, 2, 4))
+            ),
+            r"value shape \(1, 4, 2, 4\) does not match key shape \(1, 5, 2, 4\)",
+        ),
+        (
+            lambda: _mha(3, jnp.ones((1, 2, 8))),
+            r"num_heads=3 does not divide the query feature size 8",
+        ),
+        (
+            lambda: _mha(2, jnp.ones((2, 8))),
+            r"inputs_q must be \[batch, length, features\], got shape \(2, 8\)",
+        ),
+        (
+            lambda: _mha(2, jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8)), jnp.ones((1, 4, 8))),
+            r"batch/length mismatch: inputs_q shape \(1, 2, 8\), inputs_k shape \(1, 3, 8\)",
+        ),
+        (
+            lambda: _mha(2, jnp.ones((1, 2, 8)), mask=jnp.ones((3, 2, 2), bool)),
+            r"mask of shape \(3, 2, 2\) does not broadcast to \(1, 2, 2, 2\)",
+        ),
         (lambda: masks.padding_mask(jnp.ones((2, 2)), 3), r"lengths must have shape \[batch\]"),
-        (lambda: masks.combine_masks(ones((2, 3), bool), ones((4, 3), bool)), r"do not broadcast together"),
+        (
+            lambda: masks.combine_masks(ones((2, 3), bool), ones((4, 3), bool)),
+            r"do not broadcast together",
+        ),
     ],
 )
 def test_bad_inputs_raise_value_error(call, message):

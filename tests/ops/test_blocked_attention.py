@@ -1,4 +1,5 @@
 """attnjax.ops.blocked_attention against the explicit einsum + softmax path and PyTorch's SDPA."""
+
 import functools
 
 import jax
@@ -31,7 +32,9 @@ def make_mask(rng, kind, batch, heads, length, key_length):
         mask[3] = False
         return mask
     if kind == "bool_padding":  # [batch, 1, 1, S]: per-example valid keys
-        valid = np.arange(key_length)[None, :] < np.array([key_length, key_length - 13])[:batch, None]
+        valid = (
+            np.arange(key_length)[None, :] < np.array([key_length, key_length - 13])[:batch, None]
+        )
         return valid[:, None, None, :]
     if kind == "float_full":
         mask = rng.standard_normal((batch, heads, length, key_length)).astype(np.float32)
@@ -97,16 +100,22 @@ def test_values_and_gradients_match_torch(is_causal):
     cotangent = rng.standard_normal((2, 3, 41, 8)).astype(np.float32)
 
     def loss(q, k, v, m):
-        out = attention.scaled_dot_product_attention(q, k, v, m, is_causal=is_causal,
-                                                     implementation="blocked")
+        out = attention.scaled_dot_product_attention(
+            q, k, v, m, is_causal=is_causal, implementation="blocked"
+        )
         return jnp.sum(out * cotangent), out
 
     grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(query, key, value, mask)
     tensors = [torch.tensor(x, requires_grad=True) for x in (query, key, value, mask)]
     # torch takes a float mask together with is_causal only through an explicit combined mask.
-    causal = torch.ones(41, 41, dtype=torch.bool).tril() if is_causal else torch.ones(41, 41, dtype=torch.bool)
+    causal = (
+        torch.ones(41, 41, dtype=torch.bool).tril()
+        if is_causal
+        else torch.ones(41, 41, dtype=torch.bool)
+    )
     theirs = F.scaled_dot_product_attention(
-        *tensors[:3], attn_mask=tensors[3].masked_fill(~causal, float("-inf")))
+        *tensors[:3], attn_mask=tensors[3].masked_fill(~causal, float("-inf"))
+    )
     (theirs * torch.tensor(cotangent)).sum().backward()
     assert_close(out, theirs.detach().numpy(), what="output vs torch")
     for name, ours, tensor in zip(("query", "key", "value", "mask"), grads, tensors):
@@ -119,11 +128,14 @@ def test_leading_batch_dims_and_scale():
     key = rng.standard_normal((1, 4, 3, 40, 8), dtype=np.float32)  # broadcast over the first dim
     value = rng.standard_normal((2, 4, 3, 40, 8), dtype=np.float32)
     mask = rng.random((3, 33, 40)) > 0.2
-    ours = attention.scaled_dot_product_attention(query, key, value, mask, scale=0.3,
-                                                  implementation="blocked")
+    ours = attention.scaled_dot_product_attention(
+        query, key, value, mask, scale=0.3, implementation="blocked"
+    )
     theirs = F.scaled_dot_product_attention(
         *(torch.tensor(x) for x in (query, np.broadcast_to(key, value.shape).copy(), value)),
-        attn_mask=torch.tensor(mask), scale=0.3)
+        attn_mask=torch.tensor(mask),
+        scale=0.3,
+    )
     assert_close(ours, theirs.numpy(), what="5-d inputs")
 
 
@@ -156,7 +168,8 @@ def test_causal_skips_key_blocks_above_the_diagonal():
     reference = EXPLICIT(query, key[:, :16], value[:, :16], is_causal=True)
     assert_close(out, reference, what="causal output with unreachable NaN keys")
     grads = jax.grad(lambda q, k, v: jnp.sum(BLOCKED(q, k, v, is_causal=True) ** 2), (0, 1, 2))(
-        query, key, value)
+        query, key, value
+    )
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     np.testing.assert_array_equal(np.asarray(grads[2])[:, 16:], 0.0)
 
@@ -166,12 +179,15 @@ def test_jit_and_vmap():
     query, key, value = (rng.standard_normal((3, 2, 30, 2, 8), dtype=np.float32) for _ in range(3))
 
     def one(q, k, v):
-        return blocked_attention.blocked_dot_product_attention(q, k, v, is_causal=True,
-                                                               query_block=8, key_block=8)
+        return blocked_attention.blocked_dot_product_attention(
+            q, k, v, is_causal=True, query_block=8, key_block=8
+        )
 
     ours = jax.jit(jax.vmap(one))(query, key, value)
     for i in range(3):
-        assert_close(ours[i], EXPLICIT(query[i], key[i], value[i], is_causal=True), what=f"vmap {i}")
+        assert_close(
+            ours[i], EXPLICIT(query[i], key[i], value[i], is_causal=True), what=f"vmap {i}"
+        )
 
 
 def fwd_bwd_temp_bytes(fn, length, heads=8, depth=64):
@@ -183,8 +199,9 @@ def fwd_bwd_temp_bytes(fn, length, heads=8, depth=64):
 def test_memory_grows_linearly_with_length():
     # XLA's temporary buffers for a causal forward+backward at L and 4L: linear growth is a 4x
     # ratio; the [L, L] score matrix of the explicit path grows 16x.
-    blocked = functools.partial(blocked_attention.blocked_dot_product_attention,
-                                query_block=256, key_block=256)
+    blocked = functools.partial(
+        blocked_attention.blocked_dot_product_attention, query_block=256, key_block=256
+    )
     small, large = (fwd_bwd_temp_bytes(blocked, n) for n in (1024, 4096))
     assert large / small < 4.5, (small, large)
     scores_4096 = 8 * 4096 * 4096 * 4
@@ -203,7 +220,9 @@ def test_dispatch_rule():
     assert choose("gpu", jnp.float32, 16384, 16384, 64, 64) == "blocked"
     assert choose("gpu", jnp.float16, 256, 256, 64, 64) is None
     assert choose("cpu", jnp.float32, 197, 197, 64, 64) == "explicit"
-    assert choose("cpu", jnp.float32, 65, 65, 64, 64) == "explicit"  # the CIFAR ViT's 64 patches + class
+    assert (
+        choose("cpu", jnp.float32, 65, 65, 64, 64) == "explicit"
+    )  # the CIFAR ViT's 64 patches + class
     assert choose("cpu", jnp.float32, 63, 63, 64, 64) is None
 
 

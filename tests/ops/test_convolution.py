@@ -1,4 +1,5 @@
 """attnjax.ops.convolution against lax.conv_general_dilated and torch's conv2d (float64)."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,11 +14,11 @@ DN = ("NHWC", "HWIO", "NHWC")
 
 # (input [b, h, w, c_in], kernel, c_out, stride, padding): where the patches path is taken.
 SMALL_MAPS = [
-    ((3, 2, 2, 8), 3, 5, 1, ((1, 1), (1, 1))),   # 3x3 conv on 2x2 maps (LPIPS VGG at 32 px)
-    ((2, 4, 4, 6), 4, 7, 1, ((1, 1), (1, 1))),   # PatchGAN's last layers: output 3x3 < kernel 4
-    ((2, 3, 5, 4), 4, 3, 2, ((1, 1), (1, 1))),   # stride 2, odd sizes, output 1x2
-    ((2, 1, 3, 4), 3, 2, 1, "SAME"),             # string padding
-    ((1, 2, 2, 3), 3, 4, 2, ((0, 1), (0, 1))),   # taming's asymmetric downsampling pad
+    ((3, 2, 2, 8), 3, 5, 1, ((1, 1), (1, 1))),  # 3x3 conv on 2x2 maps (LPIPS VGG at 32 px)
+    ((2, 4, 4, 6), 4, 7, 1, ((1, 1), (1, 1))),  # PatchGAN's last layers: output 3x3 < kernel 4
+    ((2, 3, 5, 4), 4, 3, 2, ((1, 1), (1, 1))),  # stride 2, odd sizes, output 1x2
+    ((2, 1, 3, 4), 3, 2, 1, "SAME"),  # string padding
+    ((1, 2, 2, 3), 3, 4, 2, ((0, 1), (0, 1))),  # taming's asymmetric downsampling pad
 ]
 
 
@@ -34,8 +35,14 @@ def test_small_maps_take_patches_and_equal_lax_and_torch(shape, kernel, c_out, s
     pads = convolution._pads(padding, shape[1:3], (kernel, kernel), (stride, stride))
     assert convolution.needs_patches(shape[1:3], (kernel, kernel), (stride, stride), pads)
 
-    grad = jax.grad(lambda *a: _loss(convolution.conv_general_dilated, *a, stride, padding), (0, 1), has_aux=True)
-    grad_ref = jax.grad(lambda *a: _loss(lax.conv_general_dilated, *a, stride, padding), (0, 1), has_aux=True)
+    grad = jax.grad(
+        lambda *a: _loss(convolution.conv_general_dilated, *a, stride, padding),
+        (0, 1),
+        has_aux=True,
+    )
+    grad_ref = jax.grad(
+        lambda *a: _loss(lax.conv_general_dilated, *a, stride, padding), (0, 1), has_aux=True
+    )
     (dx, dw), out = grad(x, w)
     (dx_ref, dw_ref), out_ref = grad_ref(x, w)
     for ours, ref in ((out, out_ref), (dx, dx_ref), (dw, dw_ref)):
@@ -43,10 +50,16 @@ def test_small_maps_take_patches_and_equal_lax_and_torch(shape, kernel, c_out, s
 
     # torch in float64 with the same explicit padding: an independent reference for the values.
     (top, bottom), (left, right) = pads
-    padded = torch.nn.functional.pad(torch.from_numpy(x.astype(np.float64)).permute(0, 3, 1, 2),
-                                     (left, right, top, bottom))
-    expected = torch.nn.functional.conv2d(padded, torch.from_numpy(w.astype(np.float64)).permute(3, 2, 0, 1),
-                                          stride=stride).permute(0, 2, 3, 1).numpy()
+    padded = torch.nn.functional.pad(
+        torch.from_numpy(x.astype(np.float64)).permute(0, 3, 1, 2), (left, right, top, bottom)
+    )
+    expected = (
+        torch.nn.functional.conv2d(
+            padded, torch.from_numpy(w.astype(np.float64)).permute(3, 2, 0, 1), stride=stride
+        )
+        .permute(0, 2, 3, 1)
+        .numpy()
+    )
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
     # The point of the module: neither the step nor its gradient holds a convolution for XLA:CPU.
@@ -58,33 +71,53 @@ def test_large_maps_stay_on_lax():
     x = jnp.ones((2, 8, 8, 4))
     w = jnp.ones((3, 3, 4, 4))
     assert not convolution.needs_patches((8, 8), (3, 3), (1, 1), [(1, 1), (1, 1)])
-    hlo = jax.jit(lambda x, w: convolution.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)),
-                                                                dimension_numbers=DN)).lower(x, w).as_text()
+    hlo = (
+        jax.jit(
+            lambda x, w: convolution.conv_general_dilated(
+                x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=DN
+            )
+        )
+        .lower(x, w)
+        .as_text()
+    )
     assert "convolution" in hlo
 
 
 def test_flax_conv_with_it_equals_flax_conv():
     x = np.random.default_rng(1).standard_normal((2, 2, 2, 6)).astype(np.float32)
     plain = nn.Conv(5, (3, 3), padding="SAME")
-    patched = nn.Conv(5, (3, 3), padding="SAME", conv_general_dilated=convolution.conv_general_dilated)
+    patched = nn.Conv(
+        5, (3, 3), padding="SAME", conv_general_dilated=convolution.conv_general_dilated
+    )
     variables = plain.init(jax.random.PRNGKey(0), x)
-    np.testing.assert_allclose(patched.apply(variables, x), plain.apply(variables, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        patched.apply(variables, x), plain.apply(variables, x), rtol=1e-5, atol=1e-6
+    )
 
 
 # (input, kernel, c_out, stride, padding) with output maps of 16x16 and more: the kernel gradient
 # is taken as matrix products.
 LARGE_MAPS = [
-    ((2, 16, 16, 64), 3, 64, 1, ((1, 1), (1, 1))),   # taming's 3x3 convs
-    ((1, 33, 33, 64), 3, 64, 2, ((0, 1), (0, 1))),   # its stride-2 downsampling with the asymmetric pad
-    ((1, 16, 20, 128), 1, 64, 1, "VALID"),           # 1x1 (nin_shortcut), non-square
-    ((1, 18, 17, 32), 4, 128, 1, "SAME"),            # even kernel, string padding
+    ((2, 16, 16, 64), 3, 64, 1, ((1, 1), (1, 1))),  # taming's 3x3 convs
+    (
+        (1, 33, 33, 64),
+        3,
+        64,
+        2,
+        ((0, 1), (0, 1)),
+    ),  # its stride-2 downsampling with the asymmetric pad
+    ((1, 16, 20, 128), 1, 64, 1, "VALID"),  # 1x1 (nin_shortcut), non-square
+    ((1, 18, 17, 32), 4, 128, 1, "SAME"),  # even kernel, string padding
 ]
 
 
 @pytest.mark.parametrize("shape,kernel,c_out,stride,padding", LARGE_MAPS)
-def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(shape, kernel, c_out, stride,
-                                                                             padding, monkeypatch):
-    monkeypatch.setattr(convolution, "_cores_left_idle", lambda: True)  # one CPU device, several cores
+def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(
+    shape, kernel, c_out, stride, padding, monkeypatch
+):
+    monkeypatch.setattr(
+        convolution, "_cores_left_idle", lambda: True
+    )  # one CPU device, several cores
     rng = np.random.default_rng(2)
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal((kernel, kernel, shape[-1], c_out)).astype(np.float32)
@@ -99,10 +132,17 @@ def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(sha
     (top, bottom), (left, right) = pads
     tx = torch.from_numpy(x.astype(np.float64)).permute(0, 3, 1, 2)
     tw = torch.from_numpy(w.astype(np.float64)).permute(3, 2, 0, 1).requires_grad_()
-    tout = torch.nn.functional.conv2d(torch.nn.functional.pad(tx, (left, right, top, bottom)), tw, stride=stride)
-    tout.backward(torch.from_numpy(np.asarray(jax.grad(lambda o: jnp.sum(o * jnp.cos(o)))(out_ref),
-                                              np.float64)).permute(0, 3, 1, 2))
-    np.testing.assert_allclose(dw, tw.grad.permute(2, 3, 1, 0).numpy(), rtol=1e-5, atol=1e-5 * np.abs(dw_ref).max())
+    tout = torch.nn.functional.conv2d(
+        torch.nn.functional.pad(tx, (left, right, top, bottom)), tw, stride=stride
+    )
+    tout.backward(
+        torch.from_numpy(
+            np.asarray(jax.grad(lambda o: jnp.sum(o * jnp.cos(o)))(out_ref), np.float64)
+        ).permute(0, 3, 1, 2)
+    )
+    np.testing.assert_allclose(
+        dw, tw.grad.permute(2, 3, 1, 0).numpy(), rtol=1e-5, atol=1e-5 * np.abs(dw_ref).max()
+    )
 
     # One convolution for the forward pass and one for the input gradient: none for the kernel's.
     hlo = jax.jit(loss(convolution.conv_general_dilated)).lower(x, w).as_text()
@@ -113,11 +153,19 @@ def test_one_device_per_core_keeps_xla_kernel_gradient(monkeypatch):
     """With every core holding a CPU device, the split batch keeps the cores busy: XLA's own."""
     monkeypatch.setattr(convolution, "_cores_left_idle", lambda: False)
     x, w = jnp.ones((2, 16, 16, 64)), jnp.ones((3, 3, 64, 64))
-    grad = jax.grad(lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True)
-    assert jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3  # forward, input and kernel
+    grad = jax.grad(
+        lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True
+    )
+    assert (
+        jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3
+    )  # forward, input and kernel
 
 
 def test_few_channels_keep_xla_kernel_gradient():
     x, w = jnp.ones((2, 16, 16, 32)), jnp.ones((3, 3, 32, 32))
-    grad = jax.grad(lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True)
-    assert jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3  # forward, input and kernel
+    grad = jax.grad(
+        lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True
+    )
+    assert (
+        jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3
+    )  # forward, input and kernel

@@ -1,4 +1,5 @@
 """attnjax.ops.positional against the written formula, timm's resampling and Flax's transformations."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,9 @@ def formula(positions, dim, base=10000.0):
     return table
 
 
-@pytest.mark.parametrize("length, dim, base", [(1, 1, 10000.0), (50, 16, 10000.0), (7, 5, 10000.0), (33, 6, 100.0)])
+@pytest.mark.parametrize(
+    "length, dim, base", [(1, 1, 10000.0), (50, 16, 10000.0), (7, 5, 10000.0), (33, 6, 100.0)]
+)
 def test_sinusoidal_matches_formula(length, dim, base):
     ours = positional.sinusoidal_encoding(length, dim, base)
     assert ours.shape == (length, dim) and ours.dtype == jnp.float32
@@ -53,8 +56,12 @@ def test_learned_position_embedding_adds_its_parameter():
     table = variables["params"]["pos_embedding"]
     assert table.shape == (1, 5, 3)
     assert 0.005 < float(jnp.std(table)) < 0.05
-    assert_close(module.apply(variables, x), np.asarray(x) + np.asarray(table), what="x + pos_embedding")
-    with pytest.raises(ValueError, match=r"inputs of shape \(2, 6, 3\) do not match pos_embedding \(1, 5, 3\)"):
+    assert_close(
+        module.apply(variables, x), np.asarray(x) + np.asarray(table), what="x + pos_embedding"
+    )
+    with pytest.raises(
+        ValueError, match=r"inputs of shape \(2, 6, 3\) do not match pos_embedding \(1, 5, 3\)"
+    ):
         module.apply(variables, jnp.ones((2, 6, 3)))
 
 
@@ -62,8 +69,12 @@ def test_learned_position_embedding_adds_its_parameter():
 @pytest.mark.parametrize("new_grid", [(6, 6), (3, 5), (4, 4)])
 def test_resize_matches_timm(method, new_grid):
     posemb = np.random.default_rng(1).normal(size=(1, 1 + 16, 8)).astype(np.float32)
-    ours = positional.resize_position_embedding(posemb, new_grid, num_prefix_tokens=1, method=method)
-    theirs = resample_abs_pos_embed(torch.tensor(posemb), list(new_grid), num_prefix_tokens=1, interpolation=method)
+    ours = positional.resize_position_embedding(
+        posemb, new_grid, num_prefix_tokens=1, method=method
+    )
+    theirs = resample_abs_pos_embed(
+        torch.tensor(posemb), list(new_grid), num_prefix_tokens=1, interpolation=method
+    )
     assert ours.shape == (1, 1 + new_grid[0] * new_grid[1], 8)
     np.testing.assert_array_equal(ours[:, :1], posemb[:, :1])
     assert_close(ours, theirs.numpy(), rtol=1e-5, atol=2e-6, what=f"{method} resize")
@@ -71,8 +82,12 @@ def test_resize_matches_timm(method, new_grid):
 
 def test_resize_rectangular_grid_without_prefix():
     posemb = np.random.default_rng(2).normal(size=(1, 2 * 3, 4)).astype(np.float32)
-    ours = positional.resize_position_embedding(posemb, (4, 6), num_prefix_tokens=0, method="bilinear", old_grid_hw=(2, 3))
-    theirs = resample_abs_pos_embed(torch.tensor(posemb), [4, 6], old_size=[2, 3], num_prefix_tokens=0, interpolation="bilinear")
+    ours = positional.resize_position_embedding(
+        posemb, (4, 6), num_prefix_tokens=0, method="bilinear", old_grid_hw=(2, 3)
+    )
+    theirs = resample_abs_pos_embed(
+        torch.tensor(posemb), [4, 6], old_size=[2, 3], num_prefix_tokens=0, interpolation="bilinear"
+    )
     assert_close(ours, theirs.numpy(), what="rectangular resize")
 
 
@@ -81,7 +96,7 @@ def test_jit_grad_vmap_through_positional():
     assert_close(sin(9, 6), positional.sinusoidal_encoding(9, 6), what="jit")
     # d PE[pos, 2i] / d base = cos(angle) * angle * (-2i/dim) / base
     grad = jax.jit(jax.grad(lambda b: positional.sinusoidal_encoding(4, 4, b)[3, 2]))(100.0)
-    angle = 3 / 100.0 ** 0.5
+    angle = 3 / 100.0**0.5
     assert_close(grad, np.cos(angle) * angle * (-0.5) / 100.0, what="d PE / d base")
     bases = jnp.array([100.0, 10000.0])
     assert_close(
@@ -103,9 +118,15 @@ def test_jit_grad_vmap_through_positional():
     x = jnp.ones((3, 4, 2))
     variables = jax.jit(module.init)(jax.random.key(0), x)
     per_example = jax.jit(jax.vmap(lambda xi: module.apply(variables, xi[None])[0]))(x)
-    assert_close(per_example, np.asarray(x) + np.asarray(variables["params"]["pos_embedding"]), what="vmap module")
+    assert_close(
+        per_example,
+        np.asarray(x) + np.asarray(variables["params"]["pos_embedding"]),
+        what="vmap module",
+    )
     grads = jax.jit(jax.grad(lambda v: module.apply(v, x).sum()))(variables)
-    assert_close(grads["params"]["pos_embedding"], np.full((1, 4, 2), 3.0), what="d sum / d pos_embedding")
+    assert_close(
+        grads["params"]["pos_embedding"], np.full((1, 4, 2), 3.0), what="d sum / d pos_embedding"
+    )
 
 
 resize = positional.resize_position_embedding
@@ -119,10 +140,18 @@ resize = positional.resize_position_embedding
         (lambda: positional.sincos_2d_encoding(2, 2, 7), r"dim must be even"),
         (lambda: resize(np.ones((1, 1 + 6, 4)), (3, 3)), r"6 grid tokens .* not a square grid"),
         (lambda: resize(np.ones((1, 5, 4)), (3, 3), method="area"), r"method must be one of"),
-        (lambda: resize(np.ones((5, 4)), (3, 3)), r"posemb must be \[1, tokens, dim\], got shape \(5, 4\)"),
-        (lambda: resize(np.ones((1, 7, 4)), (3, 3), old_grid_hw=(2, 2)),
-         r"old_grid_hw=\(2, 2\) does not match the 6 grid tokens"),
-        (lambda: resize(np.ones((1, 5, 4)), (0, 3)), r"new_grid_hw\[0\] must be a positive int, got 0"),
+        (
+            lambda: resize(np.ones((5, 4)), (3, 3)),
+            r"posemb must be \[1, tokens, dim\], got shape \(5, 4\)",
+        ),
+        (
+            lambda: resize(np.ones((1, 7, 4)), (3, 3), old_grid_hw=(2, 2)),
+            r"old_grid_hw=\(2, 2\) does not match the 6 grid tokens",
+        ),
+        (
+            lambda: resize(np.ones((1, 5, 4)), (0, 3)),
+            r"new_grid_hw\[0\] must be a positive int, got 0",
+        ),
     ],
 )
 def test_bad_inputs_raise_value_error(call, message):

@@ -5,6 +5,7 @@ the LPIPS linear weights (heibox); the ``taming_loss`` fixture patches exactly t
 downloads: the VGG16 trunk is built with random weights (``pretrained=False``) and the linear
 layers are loaded from the copy the ``lpips`` package ships (the same file taming fetches).
 """
+
 import functools
 import os
 import types
@@ -14,15 +15,15 @@ import jax.numpy as jnp
 import lpips as lpips_package
 import numpy as np
 import pytest
+import taming.modules.losses.lpips as taming_lpips
 import torch
 import torchvision
 from helpers import assert_close
+from taming.modules.losses.vqperceptual import VQLPIPSWithDiscriminator
 
-import taming.modules.losses.lpips as taming_lpips
-from attnjax.ops import vqgan_loss
 from attnjax.convert.lpips import lpips_from_torch
 from attnjax.convert.taming import nlayer_discriminator_from_taming
-from taming.modules.losses.vqperceptual import VQLPIPSWithDiscriminator
+from attnjax.ops import vqgan_loss
 
 DISC_START = 5
 
@@ -34,10 +35,14 @@ def patched_lpips():
     original_models, original_load = taming_lpips.models, taming_lpips.LPIPS.load_from_pretrained
 
     def load_shipped(self, name="vgg_lpips"):
-        self.load_state_dict(torch.load(shipped, map_location="cpu", weights_only=True), strict=False)
+        self.load_state_dict(
+            torch.load(shipped, map_location="cpu", weights_only=True), strict=False
+        )
 
     # taming's vgg16 wrapper calls torchvision.models.vgg16(pretrained=True) through this name.
-    taming_lpips.models = types.SimpleNamespace(vgg16=lambda pretrained: torchvision.models.vgg16(weights=None))
+    taming_lpips.models = types.SimpleNamespace(
+        vgg16=lambda pretrained: torchvision.models.vgg16(weights=None)
+    )
     taming_lpips.LPIPS.load_from_pretrained = load_shipped
     yield
     taming_lpips.models, taming_lpips.LPIPS.load_from_pretrained = original_models, original_load
@@ -46,9 +51,16 @@ def patched_lpips():
 @functools.lru_cache(maxsize=None)
 def _build(kind):
     torch.manual_seed(0)
-    loss = VQLPIPSWithDiscriminator(disc_start=DISC_START, codebook_weight=0.7, disc_num_layers=2,
-                                    disc_in_channels=3, disc_ndf=16, disc_weight=0.8,
-                                    perceptual_weight=1.3, disc_loss=kind)
+    loss = VQLPIPSWithDiscriminator(
+        disc_start=DISC_START,
+        codebook_weight=0.7,
+        disc_num_layers=2,
+        disc_in_channels=3,
+        disc_ndf=16,
+        disc_weight=0.8,
+        perceptual_weight=1.3,
+        disc_loss=kind,
+    )
     rng = np.random.default_rng(0)
     inputs = rng.uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
     features = rng.normal(size=(2, 16, 16, 32)).astype(np.float32)
@@ -58,7 +70,10 @@ def _build(kind):
     ours = dict(
         discriminator=lambda x: disc.apply(disc_vars, x, train=True, mutable=["batch_stats"])[0],
         perceptual=lambda a, b: perceptual.apply(lpips_vars, a, b),
-        perceptual_weight=1.3, codebook_weight=0.7, disc_start=DISC_START, disc_weight=0.8,
+        perceptual_weight=1.3,
+        codebook_weight=0.7,
+        disc_start=DISC_START,
+        disc_weight=0.8,
     )
     return kind, loss, last, inputs, features, ours
 
@@ -74,10 +89,24 @@ def _generator_value_and_grad():
     bias = jnp.asarray(last.bias.detach().numpy())
 
     def objective(kernel, step):
-        rec = jax.lax.conv_general_dilated(jnp.asarray(features), kernel, (1, 1), ((1, 1), (1, 1)),
-                                           dimension_numbers=("NHWC", "HWIO", "NHWC")) + bias
-        return vqgan_loss.generator_loss(jnp.asarray(inputs), rec, jnp.float32(0.37), step=step,
-                                         last_layer=(jnp.asarray(features), kernel), **ours)
+        rec = (
+            jax.lax.conv_general_dilated(
+                jnp.asarray(features),
+                kernel,
+                (1, 1),
+                ((1, 1), (1, 1)),
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            )
+            + bias
+        )
+        return vqgan_loss.generator_loss(
+            jnp.asarray(inputs),
+            rec,
+            jnp.float32(0.37),
+            step=step,
+            last_layer=(jnp.asarray(features), kernel),
+            **ours,
+        )
 
     return jax.jit(jax.value_and_grad(objective, has_aux=True))
 
@@ -89,7 +118,9 @@ def test_generator_loss_matches_taming(patched_lpips, step):
     last.zero_grad()
     reconstructions = last(_nchw(features))
     codebook_loss = torch.tensor(0.37)
-    total, log = loss(codebook_loss, _nchw(inputs), reconstructions, 0, step, last_layer=last.weight)
+    total, log = loss(
+        codebook_loss, _nchw(inputs), reconstructions, 0, step, last_layer=last.weight
+    )
     total.backward()
 
     kernel = jnp.asarray(last.weight.detach().numpy().transpose(2, 3, 1, 0))
@@ -100,7 +131,9 @@ def test_generator_loss_matches_taming(patched_lpips, step):
     assert_close(ours_log["g_loss"], log["train/g_loss"].item(), what="generator adversarial loss")
     assert_close(value, total.item(), what=f"total generator loss at step {step}")
     expected_grad = last.weight.grad.numpy().transpose(2, 3, 1, 0)
-    assert_close(grad, expected_grad, atol=1e-5 * np.abs(expected_grad).max(), what="grad wrt last layer")
+    assert_close(
+        grad, expected_grad, atol=1e-5 * np.abs(expected_grad).max(), what="grad wrt last layer"
+    )
 
 
 @pytest.mark.parametrize("kind", ["hinge", "vanilla"])
@@ -113,8 +146,12 @@ def test_discriminator_loss_matches_taming(patched_lpips, kind, step):
     rec = np.asarray(reconstructions.numpy().transpose(0, 2, 3, 1))
     # taming scores the real and the fake batch in separate calls (separate batch statistics).
     value, ours_log = vqgan_loss.discriminator_loss(
-        ours["discriminator"](jnp.asarray(inputs)), ours["discriminator"](jnp.asarray(rec)),
-        step=step, disc_start=DISC_START, kind=kind)
+        ours["discriminator"](jnp.asarray(inputs)),
+        ours["discriminator"](jnp.asarray(rec)),
+        step=step,
+        disc_start=DISC_START,
+        kind=kind,
+    )
     assert_close(ours_log["logits_real"], log["train/logits_real"].item(), what="mean real logit")
     assert_close(ours_log["logits_fake"], log["train/logits_fake"].item(), what="mean fake logit")
     assert_close(value, d_loss.item(), what=f"{kind} discriminator loss at step {step}")

@@ -1,36 +1,42 @@
 """attnjax/tasks/vqgan.py through the shared training loop: a short real run on the digits."""
+
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import chex
 from absl import logging
+from helpers import assert_close, count_compilations, load_config
 
-from helpers import assert_close, count_compilations
-from helpers import load_config
-
-from attnjax.train import checkpoint
 from attnjax import data
 from attnjax.models import lpips
-from attnjax.tasks import vqgan as vqgan_task
 from attnjax.tasks import train_and_evaluate
-
-
-
-
-
+from attnjax.tasks import vqgan as vqgan_task
+from attnjax.train import checkpoint
 
 
 def tiny(data_dir, **overrides):
     config = load_config("vqgan_digits")
     config.data.data_dir = data_dir
     config.data.eval_split = "test[:64]"
-    config.model.ddconfig.update(ch_mult=(1,), num_res_blocks=1)  # f=1: the fewest layers to compile
-    config.update(dict(batch_size=16, eval_batch_size=64, warmup_steps=1, log_every=2, eval_every=4,
-                       checkpoint_every=4, quiet=True), **overrides)
+    config.model.ddconfig.update(
+        ch_mult=(1,), num_res_blocks=1
+    )  # f=1: the fewest layers to compile
+    config.update(
+        dict(
+            batch_size=16,
+            eval_batch_size=64,
+            warmup_steps=1,
+            log_every=2,
+            eval_every=4,
+            checkpoint_every=4,
+            quiet=True,
+        ),
+        **overrides,
+    )
     return config
 
 
@@ -49,8 +55,17 @@ def test_short_run_with_gan(digits_dir, tmp_path):
     assert [r["train/disc_factor"] for r in train] == [0.0, 0.0, 1.0, 1.0], "disc_start=4"
     assert all(r["train/disc_loss"] == 0.0 for r in train[:2]) and train[-1]["train/disc_loss"] > 0
     assert train[-1]["train/d_weight"] > 0
-    assert train[-1]["train/nll_loss"] < 0.7 * train[0]["train/nll_loss"], "the autoencoder must learn"
-    for key in ("eval/l1", "eval/psnr", "eval/codebook_usage", "eval/perplexity", "eval/g_loss", "eval/disc_loss"):
+    assert train[-1]["train/nll_loss"] < 0.7 * train[0]["train/nll_loss"], (
+        "the autoencoder must learn"
+    )
+    for key in (
+        "eval/l1",
+        "eval/psnr",
+        "eval/codebook_usage",
+        "eval/perplexity",
+        "eval/g_loss",
+        "eval/disc_loss",
+    ):
         assert np.isfinite(result[key]), key
     assert 0.5 < result["eval/codebook_usage"] <= 1, "l2 codes + re-seeding keep most codes alive"
     for name in ("reconstructions.png", "codebook.png"):
@@ -94,7 +109,8 @@ def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_di
     state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
     mask = np.r_[np.ones(40), np.zeros(24)].astype(np.float32)
     sums = jax.jit(lambda s, b: vqgan_task.eval_step(s, b, config=config, model=model))(
-        state, {**batch, "mask": mask})
+        state, {**batch, "mask": mask}
+    )
 
     autoencoder_vars = {"params": state.params["autoencoder"], "vq_state": state.quantizer_state}
     real_images = jnp.asarray(batch["image"][:40])
@@ -115,8 +131,9 @@ def test_image_writing_compiles_once(digits_dir, tmp_path):
     model = vqgan_task.create_model(config)
     batch = next(iter(data.make_datasets(config).eval))
     state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
-    write = lambda s, step: vqgan_task.write_images(s, batch, config=config, model=model,
-                                                    workdir=str(tmp_path), step=step)
+    write = lambda s, step: vqgan_task.write_images(
+        s, batch, config=config, model=model, workdir=str(tmp_path), step=step
+    )
     write(state, 1)
     changed = state.replace(params=jax.tree.map(lambda x: x * 1.01, state.params))
     with count_compilations() as compiled:
@@ -152,8 +169,13 @@ def test_configs_build(name):
     model = vqgan_task.create_model(config)
     size = config.data.image_size or 32
     channels = config.model.ddconfig.in_channels
-    shapes = jax.eval_shape(lambda x: model["autoencoder"].init(jax.random.PRNGKey(0), x),
-                            jax.ShapeDtypeStruct((1, size, size, channels), jnp.float32))
+    shapes = jax.eval_shape(
+        lambda x: model["autoencoder"].init(jax.random.PRNGKey(0), x),
+        jax.ShapeDtypeStruct((1, size, size, channels), jnp.float32),
+    )
     factor = 2 ** (len(config.model.ddconfig.ch_mult) - 1)
-    assert shapes["params"]["quantize"]["embedding"].shape == (config.model.n_embed, config.model.embed_dim)
+    assert shapes["params"]["quantize"]["embedding"].shape == (
+        config.model.n_embed,
+        config.model.embed_dim,
+    )
     assert size // factor in (4, 8, 16)

@@ -1,4 +1,5 @@
 """attnjax/checkpoint.py: Orbax save/restore, best-by-metric, load() for downstream users."""
+
 import os
 from typing import Any
 
@@ -10,8 +11,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from attnjax.train import checkpoint
 from attnjax import data
+from attnjax.train import checkpoint
 
 
 @flax.struct.dataclass
@@ -24,21 +25,35 @@ class State:  # the shape of a task state with BatchNorm statistics and EMA (e.g
 
 
 def make_config(**overrides):
-    config = ml_collections.ConfigDict(dict(
-        task="classification", model_name="vit", model=dict(width=8, depth=1),
-        max_to_keep=2, best_metric="", best_mode="max"))
+    config = ml_collections.ConfigDict(
+        dict(
+            task="classification",
+            model_name="vit",
+            model=dict(width=8, depth=1),
+            max_to_keep=2,
+            best_metric="",
+            best_mode="max",
+        )
+    )
     config.update(overrides)
     return config
 
 
 def make_state(seed, ema=False):
     rng = np.random.default_rng(seed)
-    params = {"dense": {"kernel": rng.normal(size=(3, 4)).astype(np.float32),
-                        "bias": rng.normal(size=(4,)).astype(np.float32)}}
-    return State(step=jnp.asarray(seed, jnp.int32), params=params,
-                 opt_state=({"mu": jax.tree.map(np.zeros_like, params)}, jnp.asarray(7)),
-                 batch_stats={"bn": {"mean": rng.normal(size=(4,)).astype(np.float32)}},
-                 ema_params=jax.tree.map(lambda x: x * 0.5, params) if ema else None)
+    params = {
+        "dense": {
+            "kernel": rng.normal(size=(3, 4)).astype(np.float32),
+            "bias": rng.normal(size=(4,)).astype(np.float32),
+        }
+    }
+    return State(
+        step=jnp.asarray(seed, jnp.int32),
+        params=params,
+        opt_state=({"mu": jax.tree.map(np.zeros_like, params)}, jnp.asarray(7)),
+        batch_stats={"bn": {"mean": rng.normal(size=(4,)).astype(np.float32)}},
+        ema_params=jax.tree.map(lambda x: x * 0.5, params) if ema else None,
+    )
 
 
 def assert_trees_equal(a, b):

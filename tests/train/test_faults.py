@@ -1,6 +1,7 @@
 """Faults a long run meets, tried for real on train.py: kill -9, SIGTERM, NaN losses, damaged
 checkpoints, a full disk, two runs on one workdir (attnjax/preemption.py, workdir_lock.py,
 checkpoint_integrity.py, nonfinite.py and their hooks in tasks/loop.py)."""
+
 import glob
 import hashlib
 import json
@@ -20,33 +21,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import ROOT, load_config
 
-from attnjax.train import checkpoint, nonfinite, preemption, workdir_lock
-from attnjax.train import optim
 from attnjax.tasks import train_and_evaluate
+from attnjax.train import checkpoint, nonfinite, optim, preemption, workdir_lock
 
 STEPS = 200
-FLAGS = ["--config.model.width=16", "--config.model.depth=1", "--config.model.num_heads=2",
-         "--config.model.mlp_dim=32", "--config.batch_size=16", "--config.eval_batch_size=40",
-         "--config.warmup_steps=5", f"--config.num_train_steps={STEPS}",
-         "--config.log_every=25", "--config.eval_every=100", "--config.checkpoint_every=25",
-         "--config.model.dropout_rate=0.1"]
+FLAGS = [
+    "--config.model.width=16",
+    "--config.model.depth=1",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=32",
+    "--config.batch_size=16",
+    "--config.eval_batch_size=40",
+    "--config.warmup_steps=5",
+    f"--config.num_train_steps={STEPS}",
+    "--config.log_every=25",
+    "--config.eval_every=100",
+    "--config.checkpoint_every=25",
+    "--config.model.dropout_rate=0.1",
+]
 
 
 def command(workdir, digits_dir, *extra):
-    return [sys.executable, "train.py", "--config", "configs/vit_digits.py", "--workdir", workdir,
-            f"--config.data.data_dir={digits_dir}", *FLAGS, *extra]
+    return [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/vit_digits.py",
+        "--workdir",
+        workdir,
+        f"--config.data.data_dir={digits_dir}",
+        *FLAGS,
+        *extra,
+    ]
 
 
 def config_like_flags(digits_dir, **overrides):
     config = load_config("vit_digits")
     config.data.data_dir = digits_dir
     config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, dropout_rate=0.1)
-    config.update(dict(batch_size=16, eval_batch_size=40, warmup_steps=5, num_train_steps=STEPS,
-                       log_every=25, eval_every=100, checkpoint_every=25, quiet=True),
-                  **overrides)
+    config.update(
+        dict(
+            batch_size=16,
+            eval_batch_size=40,
+            warmup_steps=5,
+            num_train_steps=STEPS,
+            log_every=25,
+            eval_every=100,
+            checkpoint_every=25,
+            quiet=True,
+        ),
+        **overrides,
+    )
     return config
 
 
@@ -54,16 +81,25 @@ def config_like_flags(digits_dir, **overrides):
 def env(tmp_path_factory):
     # Every run compiles the same programs: later ones load them from this cache.
     cache = str(tmp_path_factory.mktemp("jax_cache"))
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": cache,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
 
 
 @pytest.fixture(scope="module")
 def reference(digits_dir, env, tmp_path_factory):
     """An uninterrupted run: the workdir every fault is compared with (and copied from)."""
     workdir = str(tmp_path_factory.mktemp("reference") / "run")
-    subprocess.run(command(workdir, digits_dir), cwd=ROOT, env=env, check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        command(workdir, digits_dir),
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return workdir
 
 
@@ -109,11 +145,11 @@ def tensorboard_steps(workdir, tag):
     for path in glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*")):
         events, data, offset = [], open(path, "rb").read(), 0
         while offset + 12 <= len(data):  # TFRecord: length, crc, payload, crc
-            length = struct.unpack("<Q", data[offset:offset + 8])[0]
+            length = struct.unpack("<Q", data[offset : offset + 8])[0]
             if offset + 16 + length > len(data):
                 break  # cut short by a kill
             event = Event()
-            event.ParseFromString(data[offset + 12:offset + 12 + length])
+            event.ParseFromString(data[offset + 12 : offset + 12 + length])
             events.append(event)
             offset += 16 + length
         if events:  # a killed run may leave an empty file
@@ -133,16 +169,27 @@ def last_line(stderr: str) -> str:
 
 # ---- kill -9 and SIGTERM: the rerun continues bit-identically ------------------------------
 
-def test_sigterm_then_kill9_mid_write_then_rerun_is_bit_identical(reference, digits_dir, env,
-                                                                   tmp_path):
+
+def test_sigterm_then_kill9_mid_write_then_rerun_is_bit_identical(
+    reference, digits_dir, env, tmp_path
+):
     workdir = str(tmp_path / "run")
     checkpoints = os.path.join(workdir, "checkpoints")
     # SIGTERM: the run saves the step it is at and exits with the "requeue" status.
-    proc = subprocess.Popen(command(workdir, digits_dir), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(workdir, digits_dir),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
-    while not os.path.isdir(os.path.join(checkpoints, "25")) and proc.poll() is None \
-            and time.time() < deadline:
+    while (
+        not os.path.isdir(os.path.join(checkpoints, "25"))
+        and proc.poll() is None
+        and time.time() < deadline
+    ):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
@@ -158,8 +205,13 @@ def test_sigterm_then_kill9_mid_write_then_rerun_is_bit_identical(reference, dig
     assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
 
     # kill -9 while Orbax writes <step>.orbax-checkpoint-tmp* (renamed to <step> when complete).
-    proc = subprocess.Popen(command(workdir, digits_dir), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        command(workdir, digits_dir),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline, during_write = time.time() + 300, False
     while proc.poll() is None and time.time() < deadline:
         names = os.listdir(checkpoints)
@@ -172,8 +224,9 @@ def test_sigterm_then_kill9_mid_write_then_rerun_is_bit_identical(reference, dig
     assert during_write, "no checkpoint write seen in progress"
     assert os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))  # left by the dead run
 
-    rerun = subprocess.run(command(workdir, digits_dir), cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=600)
+    rerun = subprocess.run(
+        command(workdir, digits_dir), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "took over the lock" in rerun.stderr  # the dead run's lock is stale
     assert_same_params(workdir, reference)
@@ -186,19 +239,33 @@ def test_sigterm_then_kill9_mid_write_then_rerun_is_bit_identical(reference, dig
 
 # ---- a loss that becomes NaN -----------------------------------------------------------------
 
-def test_nan_loss_stops_naming_the_step_and_keeps_good_checkpoints(reference, digits_dir, env,
-                                                                   tmp_path):
+
+def test_nan_loss_stops_naming_the_step_and_keeps_good_checkpoints(
+    reference, digits_dir, env, tmp_path
+):
     workdir = copy_run(reference, tmp_path)
-    before = {name: digest(os.path.join(workdir, name))
-              for name in ("checkpoints", "checkpoints_best")}
-    run = subprocess.run(command(workdir, digits_dir, "--config.learning_rate=1e12",
-                                 f"--config.num_train_steps={STEPS + 100}",
-                                 "--config.checkpoint_every=1"),
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    before = {
+        name: digest(os.path.join(workdir, name)) for name in ("checkpoints", "checkpoints_best")
+    }
+    run = subprocess.run(
+        command(
+            workdir,
+            digits_dir,
+            "--config.learning_rate=1e12",
+            f"--config.num_train_steps={STEPS + 100}",
+            "--config.checkpoint_every=1",
+        ),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 1
     message = last_line(run.stderr)
-    assert message.startswith("train.py: error: NonFiniteError: the loss or gradient norm became "
-                              "non-finite at step "), message
+    assert message.startswith(
+        "train.py: error: NonFiniteError: the loss or gradient norm became non-finite at step "
+    ), message
     bad_step = int(message.split("at step ")[1].split(" ")[0])
     assert STEPS < bad_step <= STEPS + 100
     # A checkpoint every step: each step before the bad one was saved, finite; none after.
@@ -210,10 +277,12 @@ def test_nan_loss_stops_naming_the_step_and_keeps_good_checkpoints(reference, di
 
 
 def test_guard_keeps_the_old_state_on_a_nonfinite_step():
-    old = optim.TrainState(step=jnp.int32(3), params={"w": jnp.ones(2)},
-                           opt_state={"m": jnp.zeros(2)})
-    new = optim.TrainState(step=jnp.int32(4), params={"w": jnp.full(2, jnp.nan)},
-                           opt_state={"m": jnp.full(2, 5.0)})
+    old = optim.TrainState(
+        step=jnp.int32(3), params={"w": jnp.ones(2)}, opt_state={"m": jnp.zeros(2)}
+    )
+    new = optim.TrainState(
+        step=jnp.int32(4), params={"w": jnp.full(2, jnp.nan)}, opt_state={"m": jnp.full(2, 5.0)}
+    )
     guard = jax.jit(optim.guard_nonfinite, static_argnums=4)
     kept, flag = guard(old, new, jnp.float32(jnp.nan), jnp.float32(1.0), "skip")
     assert int(kept.step) == 4 and float(flag) == 1.0
@@ -221,14 +290,16 @@ def test_guard_keeps_the_old_state_on_a_nonfinite_step():
     np.testing.assert_array_equal(kept.opt_state["m"], np.zeros(2))
     applied, flag = guard(old, new, jnp.float32(0.5), jnp.float32(np.inf), "skip")
     assert float(flag) == 1.0 and np.all(np.asarray(applied.params["w"]) == 1.0)
-    applied, flag = guard(old, new.replace(params={"w": jnp.full(2, 7.0)}), jnp.float32(0.5),
-                          jnp.float32(2.0), "stop")
+    applied, flag = guard(
+        old, new.replace(params={"w": jnp.full(2, 7.0)}), jnp.float32(0.5), jnp.float32(2.0), "stop"
+    )
     assert float(flag) == 0.0 and np.all(np.asarray(applied.params["w"]) == 7.0)
 
 
 def test_skip_mode_counts_and_stops_after_too_many_in_a_row(digits_dir):
-    watch = nonfinite.NonfiniteWatch(config_like_flags(digits_dir, nonfinite="skip",
-                                                       max_skipped_steps=3), start_step=10)
+    watch = nonfinite.NonfiniteWatch(
+        config_like_flags(digits_dir, nonfinite="skip", max_skipped_steps=3), start_step=10
+    )
     watch.check(14, [0.0, 1.0, 1.0, 0.0])  # steps 11..14
     watch.check(14, [1.0, 1.0, 1.0, 1.0])  # already read: not counted again
     assert watch.skipped == 2 and watch.in_a_row == 0
@@ -244,8 +315,10 @@ def test_skip_mode_counts_and_stops_after_too_many_in_a_row(digits_dir):
 
 # ---- damaged checkpoints -----------------------------------------------------------------------
 
-def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact(reference, digits_dir,
-                                                                   tmp_path, caplog):
+
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact(
+    reference, digits_dir, tmp_path, caplog
+):
     workdir = copy_run(reference, tmp_path)
     assert steps_on_disk(workdir) == [STEPS - 25, STEPS]
     latest = os.path.join(workdir, "checkpoints", str(STEPS))
@@ -264,18 +337,22 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact(reference, di
     assert_same_params(workdir, reference)  # retrained 25 steps from the intact one
 
     for step in steps_on_disk(workdir):
-        for path in glob.glob(os.path.join(workdir, "checkpoints", str(step), "**", "*"),
-                              recursive=True):
+        for path in glob.glob(
+            os.path.join(workdir, "checkpoints", str(step), "**", "*"), recursive=True
+        ):
             if os.path.isfile(path):
                 os.truncate(path, 0)
-    with pytest.raises(checkpoint.checkpoint_integrity.DamagedCheckpointError,
-                       match=rf"no intact checkpoint in {workdir}/checkpoints: step\(s\) "
-                             rf"\[{STEPS}, {STEPS - 25}\]"):
+    with pytest.raises(
+        checkpoint.checkpoint_integrity.DamagedCheckpointError,
+        match=rf"no intact checkpoint in {workdir}/checkpoints: step\(s\) "
+        rf"\[{STEPS}, {STEPS - 25}\]",
+    ):
         train_and_evaluate(config_like_flags(digits_dir), workdir)
     assert params(workdir, best=True)  # the best checkpoint is untouched by all this
 
 
 # ---- a full disk -------------------------------------------------------------------------------
+
 
 def test_disk_full_while_saving_keeps_previous_checkpoints(reference, digits_dir, env, tmp_path):
     workdir = copy_run(reference, tmp_path)
@@ -286,17 +363,24 @@ def test_disk_full_while_saving_keeps_previous_checkpoints(reference, digits_dir
     # the compilation cache (whose entries are larger) is off.
     limited = "trap '' XFSZ; ulimit -f 12; exec \"$@\""
     train = command(workdir, digits_dir, f"--config.num_train_steps={STEPS + 30}")
-    run = subprocess.run(["bash", "-c", limited, "bash", *train], cwd=ROOT,
-                         env={k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"},
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        ["bash", "-c", limited, "bash", *train],
+        cwd=ROOT,
+        env={k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 1
     # Orbax's writer threads may still log the failed write's traceback after train.py's line.
     errors = [line for line in run.stderr.splitlines() if line.startswith("train.py: error:")]
     assert len(errors) == 1, run.stderr[-2000:]
     message = errors[0]
-    expected = (rf"train.py: error: CheckpointWriteError: \[Errno 27\] could not write a "
-                rf"checkpoint to {workdir}/checkpoints(_best)?: File too large \(errno EFBIG\); "
-                rf"the checkpoints written before are intact; .*")
+    expected = (
+        rf"train.py: error: CheckpointWriteError: \[Errno 27\] could not write a "
+        rf"checkpoint to {workdir}/checkpoints(_best)?: File too large \(errno EFBIG\); "
+        rf"the checkpoints written before are intact; .*"
+    )
     assert re.fullmatch(expected, message), message
     # The failed write stays in Orbax's temporary directory, which restore never reads.
     after = digest(os.path.join(workdir, "checkpoints"))
@@ -308,17 +392,21 @@ def test_disk_full_while_saving_keeps_previous_checkpoints(reference, digits_dir
 
 # ---- one run per workdir ----------------------------------------------------------------------
 
-def test_a_second_run_on_a_workdir_is_refused_naming_the_first(reference, digits_dir, tmp_path,
-                                                                caplog):
+
+def test_a_second_run_on_a_workdir_is_refused_naming_the_first(
+    reference, digits_dir, tmp_path, caplog
+):
     workdir = copy_run(reference, tmp_path)
     lock = os.path.join(workdir, workdir_lock.LOCK_FILE)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         with open(lock, "w") as f:
             json.dump({"host": socket.gethostname(), "pid": holder.pid, "token": "x"}, f)
-        expected = (f"workdir {workdir!r} is in use by another run (host "
-                    f"{socket.gethostname()}, pid {holder.pid}); wait for it to finish, use "
-                    f"another --workdir, or delete {lock} if that run is gone.")
+        expected = (
+            f"workdir {workdir!r} is in use by another run (host "
+            f"{socket.gethostname()}, pid {holder.pid}); wait for it to finish, use "
+            f"another --workdir, or delete {lock} if that run is gone."
+        )
         with pytest.raises(workdir_lock.WorkdirLockedError, match=re.escape(expected)):
             train_and_evaluate(config_like_flags(digits_dir), workdir)
     finally:
@@ -338,6 +426,7 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_first(reference, digits
 
 # ---- a weights file with a malicious pickle ---------------------------------------------------
 
+
 def test_a_pickle_that_runs_code_is_refused(tmp_path):
     import torch
 
@@ -351,7 +440,8 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
 
     path = tmp_path / "weights.pt"
     torch.save({"weight": torch.zeros(2), "extra": RunsCode()}, path)
-    with pytest.raises(pickle.UnpicklingError,
-                       match=r"(?s)Weights only load failed.*GLOBAL posix.system"):
+    with pytest.raises(
+        pickle.UnpicklingError, match=r"(?s)Weights only load failed.*GLOBAL posix.system"
+    ):
         convert_common.load_state_dict(str(path))
     assert not marker.exists()

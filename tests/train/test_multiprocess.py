@@ -1,5 +1,6 @@
 """Several real processes (attnjax/launch.py + jax.distributed over gloo) train what one process
 over as many devices trains, survive being killed, and lay out sharded state across processes."""
+
 import json
 import os
 import re
@@ -12,46 +13,76 @@ import time
 import flax
 import numpy as np
 import pytest
-
-from helpers import assert_close
-from helpers import ROOT
+from helpers import ROOT, assert_close
 
 from attnjax.train import checkpoint, launch, parallel
 
 # SGD: Adam divides each gradient by its own magnitude, so parameters whose true gradient is
 # zero (attention key biases: softmax ignores them) would move by rounding noise, which differs
 # between gloo's and one process's reduction order.
-VIT_FLAGS = ("--config.optimizer=sgd", "--config.learning_rate=0.3", "--config.model.width=16", "--config.model.depth=1", "--config.model.num_heads=2",
-             "--config.model.mlp_dim=32", "--config.batch_size=16",
-             "--config.eval_batch_size=40", "--config.warmup_steps=2", "--config.log_every=10",
-             "--config.eval_every=20", "--config.checkpoint_every=10")
+VIT_FLAGS = (
+    "--config.optimizer=sgd",
+    "--config.learning_rate=0.3",
+    "--config.model.width=16",
+    "--config.model.depth=1",
+    "--config.model.num_heads=2",
+    "--config.model.mlp_dim=32",
+    "--config.batch_size=16",
+    "--config.eval_batch_size=40",
+    "--config.warmup_steps=2",
+    "--config.log_every=10",
+    "--config.eval_every=20",
+    "--config.checkpoint_every=10",
+)
 VIT_STEPS = 60
 
 
 def train_command(config, data_dir, workdir, *flags):
-    return ["train.py", f"--config={os.path.join(ROOT, 'configs', config)}",
-            f"--workdir={workdir}", f"--config.data.data_dir={data_dir}", *flags]
+    return [
+        "train.py",
+        f"--config={os.path.join(ROOT, 'configs', config)}",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        *flags,
+    ]
 
 
 def env_with_devices(devices):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     return env
 
 
 def run_one_process(command, devices):
-    proc = subprocess.run([sys.executable, *command], env=env_with_devices(devices), cwd=ROOT,
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, *command],
+        env=env_with_devices(devices),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def launcher(command, processes, devices_per_process):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     return subprocess.Popen(
-        [sys.executable, "-m", "attnjax.train.launch", f"--processes={processes}",
-         f"--devices-per-process={devices_per_process}", "--", *command],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "attnjax.train.launch",
+            f"--processes={processes}",
+            f"--devices-per-process={devices_per_process}",
+            "--",
+            *command,
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def flat_params(workdir, **kwargs):
@@ -87,8 +118,11 @@ def test_two_processes_killed_and_resumed_equal_one_process(digits_dir, tmp_path
     deadline = time.monotonic() + 300
     while not finished_steps(two) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    pids = [int(m.group(1)) for m in map(re.compile(r"\[launch\] process \d: pid (\d+)").match,
-                                         list(lines)) if m]
+    pids = [
+        int(m.group(1))
+        for m in map(re.compile(r"\[launch\] process \d: pid (\d+)").match, list(lines))
+        if m
+    ]
     assert len(pids) == 2, "".join(lines)[-3000:]
     for pid in pids:  # both workers, mid-run
         os.kill(pid, signal.SIGKILL)
@@ -115,13 +149,23 @@ def test_two_processes_killed_and_resumed_equal_one_process(digits_dir, tmp_path
 
 # A GroupNorm with one channel per group erases its input's per-channel biases, whose gradients
 # are then rounding noise that Adam would blow up to full steps: SGD, as above.
-VQGAN_FLAGS = ("--config.optimizer=sgd", "--config.learning_rate=0.05",
-               "--config.disc_learning_rate=0.05", "--config.data.eval_split=test[:64]",
-               "--config.model.ddconfig.ch_mult=(1,)", "--config.model.ddconfig.num_res_blocks=1",
-               "--config.batch_size=16", "--config.eval_batch_size=32", "--config.warmup_steps=1",
-               "--config.log_every=2", "--config.eval_every=4", "--config.checkpoint_every=4",
-               "--config.num_train_steps=4", "--config.loss.disc_start=2",
-               "--config.loss.disc_weight=0.5")
+VQGAN_FLAGS = (
+    "--config.optimizer=sgd",
+    "--config.learning_rate=0.05",
+    "--config.disc_learning_rate=0.05",
+    "--config.data.eval_split=test[:64]",
+    "--config.model.ddconfig.ch_mult=(1,)",
+    "--config.model.ddconfig.num_res_blocks=1",
+    "--config.batch_size=16",
+    "--config.eval_batch_size=32",
+    "--config.warmup_steps=1",
+    "--config.log_every=2",
+    "--config.eval_every=4",
+    "--config.checkpoint_every=4",
+    "--config.num_train_steps=4",
+    "--config.loss.disc_start=2",
+    "--config.loss.disc_weight=0.5",
+)
 
 
 @pytest.fixture(scope="module")
@@ -154,17 +198,34 @@ def test_prior_two_processes_sharded_equal_one_process(vqgan_workdir, tmp_path):
     own temporary file, and leave nothing else behind), and trains the GPT to the parameters of
     1 process x 4 devices over the same mesh. SGD, as above: softmax ignores the attention key
     biases, so their gradient is rounding noise."""
-    flags = ("--config.optimizer=sgd", "--config.learning_rate=0.3", "--config.weight_decay=0",
-             "--config.data.train_shifts=0", "--config.model.n_layer=1",
-             "--config.model.n_head=2", "--config.model.n_embd=32", "--config.batch_size=16",
-             "--config.eval_batch_size=32", "--config.warmup_steps=1", "--config.log_every=2",
-             "--config.eval_every=4", "--config.checkpoint_every=4",
-             "--config.num_train_steps=4", "--config.sampling.per_class=1",
-             f"--config.vqgan_workdir={vqgan_workdir}", "--config.mesh.fsdp=2")
+    flags = (
+        "--config.optimizer=sgd",
+        "--config.learning_rate=0.3",
+        "--config.weight_decay=0",
+        "--config.data.train_shifts=0",
+        "--config.model.n_layer=1",
+        "--config.model.n_head=2",
+        "--config.model.n_embd=32",
+        "--config.batch_size=16",
+        "--config.eval_batch_size=32",
+        "--config.warmup_steps=1",
+        "--config.log_every=2",
+        "--config.eval_every=4",
+        "--config.checkpoint_every=4",
+        "--config.num_train_steps=4",
+        "--config.sampling.per_class=1",
+        f"--config.vqgan_workdir={vqgan_workdir}",
+        "--config.mesh.fsdp=2",
+    )
 
     def prior_command(workdir, codes_dir):  # the data (and data_dir) are the VQGAN run's
-        return ["train.py", f"--config={os.path.join(ROOT, 'configs', 'prior_digits.py')}",
-                f"--workdir={workdir}", *flags, f"--config.codes_cache_dir={codes_dir}"]
+        return [
+            "train.py",
+            f"--config={os.path.join(ROOT, 'configs', 'prior_digits.py')}",
+            f"--workdir={workdir}",
+            *flags,
+            f"--config.codes_cache_dir={codes_dir}",
+        ]
 
     one, one_codes = str(tmp_path / "one"), str(tmp_path / "one_codes")
     two, two_codes = str(tmp_path / "two"), str(tmp_path / "two_codes")
@@ -176,8 +237,10 @@ def test_prior_two_processes_sharded_equal_one_process(vqgan_workdir, tmp_path):
 
     assert sorted(os.listdir(two_codes)) == sorted(os.listdir(one_codes))
     for name in os.listdir(one_codes):
-        with np.load(os.path.join(one_codes, name)) as expected, \
-                np.load(os.path.join(two_codes, name)) as got:
+        with (
+            np.load(os.path.join(one_codes, name)) as expected,
+            np.load(os.path.join(two_codes, name)) as got,
+        ):
             np.testing.assert_array_equal(got["codes"], expected["codes"], err_msg=name)
             np.testing.assert_array_equal(got["labels"], expected["labels"], err_msg=name)
     reference, got = flat_params(one), flat_params(two)
@@ -194,10 +257,12 @@ def test_prior_two_processes_sharded_equal_one_process(vqgan_workdir, tmp_path):
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
     script = tmp_path / "one_fails.py"
-    script.write_text("import os, sys, time\n"
-                      "if os.environ['JAX_PROCESS_ID'] == '1':\n"
-                      "    sys.exit(3)\n"
-                      "time.sleep(120)\n")
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
     started = time.monotonic()
     proc = launcher([str(script)], processes=2, devices_per_process=0)
     output, _ = proc.communicate(timeout=60)
@@ -207,8 +272,13 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
 
 
 def test_launch_environment_and_bad_input(monkeypatch):
-    env = launch.process_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"},
-                             index=1, count=2, port=1234, devices_per_process=2)
+    env = launch.process_env(
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"},
+        index=1,
+        count=2,
+        port=1234,
+        devices_per_process=2,
+    )
     assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
     assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("2", "1")
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2"

@@ -1,4 +1,5 @@
 """attnjax/parallel.py: jit+NamedSharding and pmap data parallelism equal one device."""
+
 import json
 import os
 import subprocess
@@ -9,19 +10,11 @@ import flax
 import jax
 import numpy as np
 import pytest
+from helpers import ROOT, assert_close, tiny_config
 
-from helpers import assert_close, tiny_config
-from helpers import ROOT
-
-from attnjax.train import checkpoint, parallel
 from attnjax import data
-from attnjax.tasks import classification
-from attnjax.tasks import train_and_evaluate
-
-
-
-
-
+from attnjax.tasks import classification, train_and_evaluate
+from attnjax.train import checkpoint, parallel
 
 EIGHT_DEVICES = textwrap.dedent("""
     import json, os, sys
@@ -52,11 +45,20 @@ EIGHT_DEVICES = textwrap.dedent("""
 
 
 def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
     script = EIGHT_DEVICES.format(root=ROOT, tmp=str(tmp_path), data_dir=digits_dir)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
 
@@ -76,7 +78,8 @@ def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
     example = next(data.make_iterator(data.make_datasets(config).train))
     init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
     initial = flax.traverse_util.flatten_dict(
-        classification.create_train_state(init_rng, config, model, example).params, sep="/")
+        classification.create_train_state(init_rng, config, model, example).params, sep="/"
+    )
     moved = max(float(np.max(np.abs(np.asarray(initial[k]) - v))) for k, v in reference.items())
     assert moved > 1e-3, moved
     assert "config.batch_size=12" in result["error"] and "8 devices" in result["error"]
@@ -111,12 +114,24 @@ def test_cpu_devices_per_config_and_a_subset_equals_one_device(digits_dir, tmp_p
     for fewer trains on the first of them, with the values of a one-device process."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     script = CPU_CORES_AS_DEVICES.format(root=ROOT, tmp=str(tmp_path), data_dir=digits_dir)
-    proc = subprocess.run([sys.executable, "-c", script], env={**env, "JAX_PLATFORMS": "cpu"},
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    assert result == {"chosen": 4, "devices": 4, "four_run_devices": None, "one_run_devices": [0],
-                      "too_late": False, "after": 4}, result
+    assert result == {
+        "chosen": 4,
+        "devices": 4,
+        "four_run_devices": None,
+        "one_run_devices": [0],
+        "too_late": False,
+        "after": 4,
+    }, result
 
     train_and_evaluate(tiny_config(digits_dir), str(tmp_path / "one"))
     reference = flax.traverse_util.flatten_dict(checkpoint.load(str(tmp_path / "one"))[1], sep="/")
@@ -131,7 +146,8 @@ def test_cpu_devices_wanted_divides_the_batches_and_rejects_negatives(digits_dir
     config.cpu_devices = 0
     cores = len(os.sched_getaffinity(0))
     assert parallel.cpu_devices_wanted(config) == max(
-        n for n in range(1, cores + 1) if 16 % n == 0 and 40 % n == 0)
+        n for n in range(1, cores + 1) if 16 % n == 0 and 40 % n == 0
+    )
     config.cpu_devices = 3
     assert parallel.cpu_devices_wanted(config) == 3
     config.cpu_devices = -1

@@ -1,4 +1,5 @@
 """attnjax/sharding.py: FSDP equals data parallelism; checkpoints restore across meshes."""
+
 import json
 import os
 import shutil
@@ -10,17 +11,10 @@ import flax
 import jax
 import numpy as np
 import pytest
+from helpers import ROOT, assert_close
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_close
-from helpers import ROOT
-
 from attnjax.train import checkpoint, sharding
-
-
-
-
-
 
 EIGHT_DEVICES = textwrap.dedent("""
     import json, os, sys
@@ -76,10 +70,19 @@ FOUR_DEVICES = textwrap.dedent("""
 
 
 def _run(script, devices):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=400, cwd=ROOT)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
@@ -101,8 +104,10 @@ def test_fsdp_equals_data_parallel_and_restores_across_meshes(digits_dir, tmp_pa
     dp_bytes, fsdp_bytes = result["dp"], result["fsdp"]
     assert dp_bytes["bytes_per_device"] == dp_bytes["replicated_bytes"]
     ratio = fsdp_bytes["bytes_per_device"] / fsdp_bytes["replicated_bytes"]
-    print(f"params + SGD momentum per device: data parallel {dp_bytes['bytes_per_device']} B, "
-          f"FSDP x8 {fsdp_bytes['bytes_per_device']} B (ratio {ratio:.4f}, ideal 0.125)")
+    print(
+        f"params + SGD momentum per device: data parallel {dp_bytes['bytes_per_device']} B, "
+        f"FSDP x8 {fsdp_bytes['bytes_per_device']} B (ratio {ratio:.4f}, ideal 0.125)"
+    )
     assert 0.125 <= ratio < 0.13, ratio
 
     # The 8-device (data 2 x fsdp 4) run restores whole on this one-device process, bitwise.
@@ -138,18 +143,22 @@ def test_fsdp_spec_takes_the_largest_dimension_the_axis_divides():
     assert sharding.fsdp_spec((8, 8), single) == P()
     # An optimiser moment gets its parameter's layout; counters and biases stay whole.
     rules = sharding.RULES["classification"]
-    assert sharding.leaf_spec("opt_state/1/0/trace/blocks_0/mlp/fc1/kernel", (32, 64), mesh,
-                              rules) == P(None, "fsdp")
+    assert sharding.leaf_spec(
+        "opt_state/1/0/trace/blocks_0/mlp/fc1/kernel", (32, 64), mesh, rules
+    ) == P(None, "fsdp")
     assert sharding.leaf_spec("opt_state/0/count", (), mesh, rules) == P()
     assert sharding.leaf_spec("params/head/bias", (16,), mesh, rules) == P()
     assert sharding.leaf_spec("params/norm/scale", (16,), mesh, rules) == P("fsdp")
 
 
-@pytest.mark.parametrize("mesh, message", [
-    ({"data": -1, "fsdp": -1}, "2 axes of size -1"),
-    ({"data": 3}, "3 positions but there are 1 devices"),
-    ({"tensor": 1}, "axis 'tensor'"),
-])
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        ({"data": -1, "fsdp": -1}, "2 axes of size -1"),
+        ({"data": 3}, "3 positions but there are 1 devices"),
+        ({"tensor": 1}, "axis 'tensor'"),
+    ],
+)
 def test_bad_mesh_names_the_problem(mesh, message):
     with pytest.raises(ValueError, match=message):
         sharding.make_mesh(mesh)
