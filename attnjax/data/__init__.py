@@ -6,7 +6,6 @@ The pipeline's public functions are re-exported here, so a caller writes ``data.
 
 from attnjax.data.digits import DIGITS_TEST_SIZE, EMBEDDED_BUILDERS, Digits
 from attnjax.data.pipeline import (
-    IN_MEMORY_BYTES,
     Datasets,
     default_data_dir,
     load_source,
@@ -22,7 +21,6 @@ from attnjax.data.transforms import random_crop_flip, resize
 __all__ = [
     "DIGITS_TEST_SIZE",
     "EMBEDDED_BUILDERS",
-    "IN_MEMORY_BYTES",
     "Datasets",
     "Digits",
     "default_data_dir",

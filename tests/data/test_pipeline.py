@@ -10,6 +10,7 @@ from helpers import load_config
 from sklearn.datasets import load_digits
 
 from attnjax import data
+from attnjax.data import pipeline
 
 
 @pytest.fixture
@@ -241,7 +242,7 @@ def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monk
     assert source.reads == 0
     cached = data.make_iterator(data.make_datasets(digits_config).train)
     batches = [next(cached) for _ in range(50)]  # past the first epoch (1437 / 32 batches)
-    monkeypatch.setattr(data, "IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(pipeline, "IN_MEMORY_BYTES", 0)
     read_through = data.records_in_memory(source)
     source.reads = 0
     [read_through[i] for i in range(10)]
