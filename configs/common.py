@@ -1,6 +1,7 @@
 """Defaults the configs share: each ``configs/<run>.py`` starts from the block of its task here and
-lists only what it changes. Field meanings: ``attnjax/tasks/__init__.py`` (the loop),
-``attnjax/tasks/optim.py`` (the optimiser) and each task module's docstring.
+lists only what it changes. Field meanings: ``attnjax/train/loop.py`` (the loop),
+``attnjax/tasks/__init__.py`` (the task protocol), ``attnjax/train/optim.py`` (the optimiser)
+and each task module's docstring.
 """
 
 import ml_collections
@@ -81,7 +82,7 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.model.beta = 0.25
     config.model.quantizer = ml_collections.ConfigDict(
         dict(
-            kind="vq",  # or "fsq", "lfq", "simvq" (attnjax/quantizers.py)
+            kind="vq",  # or "fsq", "lfq", "simvq" (attnjax/models/quantizers.py)
             rotation_trick=False,  # vq, simvq: rotate onto the code instead of copying
             legacy=False,
             l2_normalize=False,

@@ -1,10 +1,12 @@
-"""Class-conditional transformer prior over the codes of the digits VQGAN (`make demo`'s third stage).
+"""Class-conditional transformer prior over the digits VQGAN's codes (``demo.py``'s third stage).
 
     python train.py --config configs/vqgan_digits.py --workdir runs/vqgan_digits
     python train.py --config configs/prior_digits.py --workdir runs/prior_digits
 
 The VQGAN turns a 16x16 digit into a 4x4 grid of codes; this GPT learns p(codes | class) over
-those 16 tokens in raster order, the class as a prefix token.
+those 16 tokens in raster order, the class as a prefix token: 4 layers of width 128, 600 steps
+of 64 without dropout; samples at temperature 0.8, top-k 16, guidance 1.5. How the recipe and the
+sampling settings were chosen: benchmarks/results/digits_recipes.md.
 """
 
 import pathlib
@@ -21,10 +23,8 @@ def get_config():
     config.model.n_layer = 4
     config.model.n_head = 4
     config.model.n_embd = 128
-    # No dropout: over 600 steps (~3 epochs of the shifted codes) it only slows the fit down, and
-    # its random masks were 13% of a step (78 vs 90 ms). Measured with demo.py (seed 0): 1000
-    # steps with dropout 0.1 -> 3.34 bits per token, 97.6% of samples in class (127 s); 600
-    # without -> 3.44 bits, 97.6% (68 s).
+    # No dropout: over 600 steps (~3 epochs of the shifted codes) it only slows the fit down
+    # (benchmarks/results/digits_recipes.md).
     config.model.embd_pdrop = config.model.resid_pdrop = config.model.attn_pdrop = 0.0
 
     config.sampling.temperature = 0.8  # below 1: fewer off-class strokes in the samples

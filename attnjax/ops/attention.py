@@ -50,11 +50,11 @@ def check_ranks(where: str, expected: str, rank_ok: Callable[[int], bool], **arr
 def _explicit_attention(
     query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng, need_weights=True
 ):
-    """Einsum + softmax attention on ``[batch, length, heads, dim]``; returns (out, weights or None).
+    """Einsum + softmax attention on ``[batch, length, heads, dim]`` -> (out, weights or None).
 
     Heads lead the products; without weights to return, the scale goes into the query and the
-    softmax is normalised after the product with the values ([L, Ev] divisions, not [L, S]): on
-    XLA:CPU the MHA step of ``benchmarks/compare_torch.py`` drops from 128 to 76 ms, GPT's 1.8 to 1.4 s."""
+    softmax is normalised after the product with the values ([L, Ev] divisions, not [L, S]),
+    which is faster on XLA:CPU (benchmarks/results/attention_cpu.md)."""
     logits_dtype = jnp.promote_types(query.dtype, jnp.float32)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
     if not need_weights:

@@ -29,25 +29,15 @@ import numpy as np
 
 Array = jax.Array
 
-# Thresholds measured on a 2-core Xeon (XLA:CPU, float32, 1 batch x 8 heads x head_dim 64,
-# min of 5 runs, fwd+bwd ms; benchmarks/attention.py measures them again):
-#   L      fused XLA  explicit  blocked(128)     causal: explicit  blocked(128)
-#   64          0.5       0.7      0.6
-#   197        33.1       9.2      7.7
-#   256        85.6       9.5      8.2                       9.5        6.3
-#   512       212       188       40                        205        21.5
-#   1024      976       746      117                       1060        68
-#   4096        -         -        -                      19548      1049
-# The [heads, L, S] scores stop fitting in cache from about 512 tokens, where blocking wins.
-# On accelerators the plain path stays fast longer, but its memory is quadratic: 4096 tokens cap
-# the score matrix at 512 MiB per batch of 8 float32 heads.
-# Re-measured on a 2-core EPYC (causal fwd+bwd ms, 8 heads): the explicit path (heads-first,
-# normalised after the value product) beats XLA's fused attention from about 64 tokens (batch 8
-# x 64 tokens x 64: 2.2 vs 2.8; 16 x 128 x 32: 9.6 vs 23.8) and loses below (8 x 16 x 64: 0.59 vs
-# 0.50); blocked tiles of 256 beat 128 from 1024 tokens (1 x 1024: 31.8 vs 41.7; 1 x 4096: 426 vs
-# 446) and lose at 512 (15.3 vs 12.7). Query tiles of 512 over key tiles of 256 beat 256 x 256
-# (1 x 4096, three runs each: 659-813 vs 817-1084 ms; 1 x 1024: 55 vs 59; 512 x 512: 1098, 128 x
-# 512: 832, 1024 x 128: 901): a taller tile reuses each key/value tile over more query rows.
+# The thresholds and tile sizes are crossovers measured on CPU (benchmarks/attention.py; the
+# tables are in benchmarks/results/attention_cpu.md):
+# - from 64 tokens on CPU, the explicit path (heads first, normalised after the value product)
+#   beats XLA's fused attention;
+# - from 512 tokens on CPU the [heads, L, S] scores stop fitting in cache and blocking wins; on
+#   accelerators the plain path stays fast longer, but its memory is quadratic, so 4096 tokens
+#   (512 MiB of scores per batch of 8 float32 heads) is where blocking starts there;
+# - from 1024 tokens on CPU, query tiles of 512 over key tiles of 256: a taller tile reuses each
+#   key/value tile over more query rows.
 EXPLICIT_MIN_LENGTH_CPU = 64
 BLOCKED_MIN_LENGTH = {"cpu": 512}
 BLOCKED_MIN_LENGTH_ACCELERATOR = 4096

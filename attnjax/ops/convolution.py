@@ -1,4 +1,4 @@
-"""2-D convolution that stays on XLA:CPU's fast kernels when feature maps are smaller than the kernel.
+"""2-D convolution that stays on XLA:CPU's fast kernels when feature maps are small.
 
 ``conv_general_dilated(lhs, rhs, window_strides, padding, ...)`` has the signature of
 ``jax.lax.conv_general_dilated`` and is passed to ``flax.linen.Conv(conv_general_dilated=...)``.
@@ -11,28 +11,22 @@ one feature group, it computes the convolution as patches times a matrix::
 whenever the kernel is larger than the input or the output along a spatial axis (a 3x3 conv on
 2x2 maps, a 4x4 conv whose output is 3x3). There XLA:CPU lowers the convolution, or the one its
 gradient needs (the output's gradient convolved with the kernel), to a generic loop instead of
-its convolution library: measured on a 2-core EPYC, a 3x3 512->512 conv on a [32, 2, 2, 512]
-input takes 183 ms forward and 186 ms for the input gradient, against 7.7 ms forward + backward
-as patches (LPIPS's VGG16 on 32-pixel images, the PatchGAN discriminator's last layers). The
-patches are at most ``kh * kw`` times a feature map that small, and their gradient is slices and
-pads, with no convolution left for XLA to lower.
+its convolution library, many times slower (LPIPS's VGG16 on 32-pixel images, the PatchGAN
+discriminator's last layers). The patches are at most ``kh * kw`` times a feature map that
+small, and their gradient is slices and pads, with no convolution left for XLA to lower.
 
-From 16x16 output maps, on XLA:CPU with fewer devices than cores, the forward pass and the input
-gradient stay on ``lax.conv_general_dilated`` but the kernel gradient is taken as ``kh * kw``
-matrix products (threaded, where XLA's convolutions run on one thread) instead of the
-convolution XLA derives for it::
+From 16x16 output maps and 64 x 64 channels, on XLA:CPU with fewer devices than cores, the
+forward pass and the input gradient stay on ``lax.conv_general_dilated`` but the kernel gradient
+is taken as ``kh * kw`` matrix products (threaded, where XLA's convolutions run on one thread)
+instead of the convolution XLA derives for it, its slowest::
 
-    d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out   [c_in, c_out]
+    d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out
 
-XLA:CPU's kernel-gradient convolution is its slowest: for a 3x3 64->64 conv on [16, 32, 32, 64]
-it takes 124 ms against 26 ms forward and 36 ms for the input gradient, and 128->128 312 ms;
-as products 51 and 125 ms (``benchmarks/conv_layers.py``, 2-core EPYC). Below 16x16 maps or
-64 x 64 channels XLA's own is as fast or faster (3.5 against 4.3 ms at 8x8 x 128 channels; 25.5
-against 32 ms for 32 -> 32 channels on [64, 16, 16, 32], the digits VQGAN). With one CPU device
-per core (``attnjax.train.parallel.use_cpu_cores``) every core already runs a convolution of its share
-of the batch, and XLA's own kernel gradient is the faster one. Every other case is
-``lax.conv_general_dilated``.
-Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py``).
+each ``[c_in, c_out]``. Below those sizes XLA's own is as fast or faster, and so it is with one
+CPU device per core (``attnjax.train.parallel.use_cpu_cores``), where every core already runs a
+convolution of its share of the batch. Every other case is ``lax.conv_general_dilated``.
+The measurements behind these rules: benchmarks/results/convolution_cpu.md. Outputs and
+gradients equal XLA's to float32 rounding (``tests/ops/test_convolution.py``).
 """
 
 from __future__ import annotations
@@ -109,17 +103,17 @@ def conv_as_patches(
 
 
 # Output maps of at least this many positions, with at least this many input x output channels,
-# take the matrix-product kernel gradient.
+# take the matrix-product kernel gradient: below them XLA's own is as fast or faster
+# (benchmarks/results/convolution_cpu.md).
 PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
 PRODUCT_KERNEL_GRAD_MIN_CHANNELS = 64 * 64
 
 
 def _cores_left_idle() -> bool:
     """Whether XLA:CPU would leave cores idle during a one-threaded convolution: fewer CPU
-    devices than cores. With one device per core (``attnjax.train.parallel.use_cpu_cores``) the split
-    batch keeps every core busy, and XLA's own kernel gradient is the faster one: the VQGAN
-    autoencoder row of ``benchmarks/compare_torch.py`` takes 1220 ms on two devices with it and
-    1368 ms with the products (on one device: 1720 against 1562 ms)."""
+    devices than cores. With one device per core (``attnjax.train.parallel.use_cpu_cores``) the
+    split batch keeps every core busy, and XLA's own kernel gradient is the faster one
+    (benchmarks/results/convolution_cpu.md)."""
     if jax.default_backend() != "cpu":
         return False
     try:

@@ -157,11 +157,10 @@ def use_cpu_cores(*configs) -> int | None:
     largest) -> that count, or ``None`` where ``set_cpu_devices`` left it alone (every device is
     then used). Call before any device is used.
 
-    XLA:CPU runs each convolution on one thread (3x3, 32 -> 32 channels on [32, 16, 16, 32]:
-    1.9 ms of wall time and 1.9 ms of CPU time on 2 cores), so the digits VQGAN's step kept 1.2
-    of 2 cores busy; with its batch split over one CPU device per core it takes 70 ms instead of
-    138. Matrix products are threaded already: the digits ViT runs 42.2 steps/s on one device and
-    41.1 on two.
+    XLA:CPU runs each convolution on one thread, so a convolutional model on one device leaves
+    cores idle; with its batch split over one CPU device per core every core works. Matrix
+    products are threaded already, so a transformer gains little from the split
+    (benchmarks/results/cpu_devices.md).
     """
     global _chosen_cpu_devices
     wanted = max(cpu_devices_wanted(config) for config in configs)
