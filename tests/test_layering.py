@@ -196,18 +196,6 @@ def test_the_checker_flags_upward_imports_cycles_and_torch():
     ), problems
 
 
-MAX_MODULE_LINES = 500  # a reader finds any model in one file and reads it in one sitting
-
-
-def test_no_module_is_over_500_lines():
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
-    }
-    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
-
-
 def _table_rows() -> list[tuple[str, str, str]]:
     """The layer table of this module's docstring as ``(layer, package, description)`` rows."""
     rows = []
