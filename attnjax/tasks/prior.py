@@ -46,7 +46,12 @@ from attnjax.models import gpt
 from attnjax.models.gpt import null_tokens, prefix_tokens
 from attnjax.models.sampling import sample
 from attnjax.tasks import vqgan as vqgan_task
-from attnjax.train import checkpoint, optim
+from attnjax.train import checkpoint, optim, sharding
+
+# Config fields that define the model a checkpoint holds (a resumed run must agree on them).
+IDENTITY_FIELDS = ("model_name", "model")
+# Every array split over the fsdp axis, scalars and step counters whole.
+SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
 
 TrainState = optim.TrainState
 
@@ -75,7 +80,7 @@ def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
             f"config.vqgan_workdir={workdir!r} holds no checkpoints: train the VQGAN first "
             "(python train.py --config configs/vqgan_digits.py --workdir <dir>)"
         )
-    vq_config, loaded = checkpoint.load(workdir, step=step, variables=True)
+    vq_config, loaded = checkpoint.load(workdir, step=step, variables=vqgan_task.VARIABLE_FIELDS)
     if vq_config.task != "vqgan":
         raise ValueError(
             f"config.vqgan_workdir={workdir!r} holds a {vq_config.task!r} run, expected a 'vqgan' run"

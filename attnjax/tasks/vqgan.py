@@ -5,7 +5,7 @@ Batches: ``{"image": float32 [batch, H, W, C], "label": ...}`` normalised with
 
 Train state: ``params = {"autoencoder", "discriminator"}`` and ``quantizer_state``, the
 quantizer's non-trained state (its ``vq_state`` collection: EMA codebook, per-code usage), which
-``checkpoint.load(..., variables=True)`` returns with the params (see ``inference_model``).
+``checkpoint.load(..., variables=VARIABLE_FIELDS)`` returns with the params (see ``inference_model``).
 Each step:
 
 1. autoencoder update: ``vqgan_loss.generator_loss`` (L1 + LPIPS, codebook loss, and the
@@ -48,12 +48,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from jax.sharding import PartitionSpec as P
 
 from attnjax.data.images import save_image_grid
 from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
-from attnjax.train import optim
+from attnjax.train import optim, sharding
+
+# Config fields that define the model a checkpoint holds (a resumed run must agree on them).
+IDENTITY_FIELDS = ("model",)
+# Train-state fields besides the params that inference needs (the discriminator's BatchNorm
+# statistics and the quantizer's state), returned by ``checkpoint.load(..., variables=...)``.
+VARIABLE_FIELDS = ("batch_stats", "quantizer_state")
+# The codebook and its usage statistics (1024 x 256 floats for ImageNet f16) stay whole: with
+# them split, the dead-code re-seeding's random picks came out differently from the unsplit
+# run's (XLA:CPU), and whole they cost 1 MiB. The autoencoder, discriminator and LPIPS constants
+# are split over the fsdp axis.
+CODEBOOK_WHOLE = (r"(^|/)vq_state/|(^|/)quantize/embedding$", P())
+SHARDING_RULES = (sharding.WHOLE_SCALARS, CODEBOOK_WHOLE, sharding.SPLIT_REST)
 
 
 @flax.struct.dataclass
@@ -123,7 +136,7 @@ def create_autoencoder(config) -> vqgan.VQGAN:
 
 
 def inference_model(config, variables):
-    """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=True)``."""
+    """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=VARIABLE_FIELDS)``."""
     return create_autoencoder(config), _autoencoder_variables(
         variables["params"], variables.get("quantizer_state")
     )

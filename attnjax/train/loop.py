@@ -120,10 +120,12 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         config.batch_size,
         config.get("eval_batch_size") or None,
         mesh=config.get("mesh", None),
-        rules=sharding.rules_for(config),
+        rules=sharding.rules_for(config, getattr(task, "SHARDING_RULES", None)),
         devices=parallel.run_devices(config),
     )
-    checkpoint.check_compatible(workdir, config)
+    checkpoint.check_compatible(
+        workdir, config, getattr(task, "IDENTITY_FIELDS", checkpoint.DEFAULT_IDENTITY_FIELDS)
+    )
 
     model = task.create_model(config)
     make_datasets = getattr(task, "make_datasets", data.make_datasets)
