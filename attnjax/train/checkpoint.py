@@ -132,7 +132,8 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict) -> None:
         """``state``: host or global device arrays; ``data_state``: this process's iterator."""
-        try:
+        # An earlier asynchronous write's failure surfaces here too.
+        with checkpoint_integrity.disk_full_as_write_error(str(self.manager.directory)):
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -140,9 +141,6 @@ class Checkpointer:
                     data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                 ),
             )
-        except Exception as error:  # an earlier asynchronous write's failure surfaces here
-            checkpoint_integrity.raise_if_disk_full(error, str(self.manager.directory))
-            raise
 
     def save_best(self, step: int, state, metrics: dict) -> None:
         if self.best_manager is None:
@@ -154,7 +152,7 @@ class Checkpointer:
             )
         if not np.isfinite(metrics[self.best_metric]):
             return  # a NaN would compare as "best" and push out the real best checkpoint
-        try:
+        with checkpoint_integrity.disk_full_as_write_error(str(self.best_manager.directory)):
             self.best_manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -162,9 +160,6 @@ class Checkpointer:
                 ),
                 metrics={k: float(v) for k, v in metrics.items()},
             )
-        except Exception as error:  # an earlier asynchronous write's failure surfaces here too
-            checkpoint_integrity.raise_if_disk_full(error, str(self.best_manager.directory))
-            raise
 
     def restore(self, state, iterator, step: int | None = None):
         """Restores into the structure and shardings of ``state`` (placed device arrays, or host
@@ -201,12 +196,9 @@ class Checkpointer:
         for manager in (self.manager, self.best_manager):
             if manager is None:
                 continue
-            try:
+            with checkpoint_integrity.disk_full_as_write_error(str(manager.directory)):
                 manager.wait_until_finished()
                 manager.close()  # an asynchronous write's failure may surface here instead
-            except Exception as error:
-                checkpoint_integrity.raise_if_disk_full(error, str(manager.directory))
-                raise
 
 
 class _IteratorState:

@@ -269,8 +269,8 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     except Exception as error:
         # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
         # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
-        checkpoint_integrity.raise_if_disk_full(error, str(ckpt.manager.directory))
-        raise
+        with checkpoint_integrity.disk_full_as_write_error(str(ckpt.manager.directory)):
+            raise error
     finally:
         stop.__exit__(None, None, None)
         bar.close()
