@@ -202,7 +202,7 @@ def _eval_params(state: TrainState):
 def eval_step(state: TrainState, batch, *, config, model):
     codes, mask = batch["codes"], batch["mask"]
     logits = gpt.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
-    nll = jax.vmap(lambda l, c: gpt.cross_entropy(l[None], c[None]))(logits, codes)
+    nll = jax.vmap(lambda row, c: gpt.cross_entropy(row[None], c[None]))(logits, codes)
     correct = jnp.mean((jnp.argmax(logits, -1) == codes).astype(jnp.float32), axis=-1)
     return {
         "nll": jnp.sum(nll * mask),
@@ -227,7 +227,8 @@ def sample_codes(
     top_p: float | None = None,
     guidance: float | None = None,
 ):
-    """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as ``sample_images``)."""
+    """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as
+    ``sample_images``)."""
     height, width = grid_shape
     batch = num_samples if labels is None else len(labels)
     prefix = prefix_tokens(labels, codebook_size, num_classes, batch)

@@ -5,7 +5,8 @@ Batches: ``{"image": float32 [batch, H, W, C], "label": ...}`` normalised with
 
 Train state: ``params = {"autoencoder", "discriminator"}`` and ``quantizer_state``, the
 quantizer's non-trained state (its ``vq_state`` collection: EMA codebook, per-code usage), which
-``checkpoint.load(..., variables=VARIABLE_FIELDS)`` returns with the params (see ``inference_model``).
+``checkpoint.load(..., variables=VARIABLE_FIELDS)`` returns with the params (see
+``inference_model``).
 Each step:
 
 1. autoencoder update: ``vqgan_loss.generator_loss`` (L1 + LPIPS, codebook loss, and the
@@ -14,7 +15,8 @@ Each step:
    ``lax.cond`` skipping it made the XLA:CPU step over ten times slower, not faster);
 2. discriminator update on the same reconstructions (taming recomputes them with the updated
    autoencoder; one forward pass less here), its loss also gated by ``disc_start``;
-3. dead-code re-seeding (``vector_quantizer.reseed_dead_codes``) when ``config.reseed_threshold > 0``.
+3. dead-code re-seeding (``vector_quantizer.reseed_dead_codes``) when
+   ``config.reseed_threshold > 0``.
 
 Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, ``model.beta``,
 ``model.quantizer`` (``kind``: "vq", "fsq", "lfq" or "simvq", ``rotation_trick``, and the
@@ -24,8 +26,8 @@ option off), ``reseed_threshold`` (kind "vq" only), ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
 ``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
 ``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
-``attnjax.models.lpips.load_variables``; "" turns the perceptual term off, and the log says so; torch is
-never needed here), ``disc_learning_rate`` and the ``attnjax.train.optim``
+``attnjax.models.lpips.load_variables``; "" turns the perceptual term off, and the log says so;
+torch is never needed here), ``disc_learning_rate`` and the ``attnjax.train.optim``
 fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
 
 Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
@@ -102,7 +104,8 @@ def _reseeds(config) -> bool:
 
 
 def create_model(config) -> dict:
-    """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None, "lpips": LPIPS | None}``."""
+    """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None,
+    "lpips": LPIPS | None}``."""
     if _reseeds(config) and not config.model.get("quantizer", {}).get("usage_decay"):
         raise ValueError(
             "config.reseed_threshold > 0 needs config.model.quantizer.usage_decay > 0 "
@@ -136,7 +139,8 @@ def create_autoencoder(config) -> vqgan.VQGAN:
 
 
 def inference_model(config, variables):
-    """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=VARIABLE_FIELDS)``."""
+    """``(VQGAN, variables for its apply)`` from
+    ``checkpoint.load(workdir, variables=VARIABLE_FIELDS)``."""
     return create_autoencoder(config), _autoencoder_variables(
         variables["params"], variables.get("quantizer_state")
     )

@@ -180,7 +180,8 @@ class Checkpointer:
 
     def restore_intact(self, state, iterator):
         """Restores the newest intact checkpoint (see ``checkpoint_integrity``) and sets
-        ``iterator`` to its position -> ``(step, state)``, or ``(None, state)`` when there is none."""
+        ``iterator`` to its position -> ``(step, state)``, or ``(None, state)`` when there is
+        none."""
         steps = list(self.manager.all_steps())
         if not steps:
             return None, state
