@@ -195,16 +195,10 @@ def _perceptual_fn(state, model, config):
     return lambda a, b: model["lpips"].apply(state.lpips_params, _rgb(a), _rgb(b))
 
 
-def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
-    autoencoder, disc = model["autoencoder"], model["discriminator"]
-    if axis_name is not None:
-        # Under pmap the quantizer's batch statistics (usage, LFQ's entropy of the mean code
-        # distribution) must span every device's examples, not one device's.
-        autoencoder = autoencoder.clone(
-            quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name}
-        )
-    tx, disc_tx = _optimizers(config)
-    x, step, loss_config = batch["image"], state.step, config.loss
+def _autoencoder_gradients(state: TrainState, x, rng, *, autoencoder, model, config):
+    """The autoencoder's loss (``vqgan_loss.generator_loss``) and its gradient ->
+    ``((loss, (log, stats, rec, latents, vq_state)), grads)``."""
+    disc, step, loss_config = model["discriminator"], state.step, config.loss
     perceptual = _perceptual_fn(state, model, config)
     disc_start = int(loss_config.get("disc_start", 0))
 
@@ -235,8 +229,21 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
         stats = {k: aux[k] for k in ("perplexity", "codebook_usage")}
         return loss, (log, stats, rec, aux["latents"], updated.get("vq_state", {}))
 
-    (loss, (log, stats, rec, latents, vq_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params["autoencoder"]
+    return jax.value_and_grad(loss_fn, has_aux=True)(state.params["autoencoder"])
+
+
+def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
+    autoencoder, disc = model["autoencoder"], model["discriminator"]
+    if axis_name is not None:
+        # Under pmap the quantizer's batch statistics (usage, LFQ's entropy of the mean code
+        # distribution) must span every device's examples, not one device's.
+        autoencoder = autoencoder.clone(
+            quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name}
+        )
+    tx, disc_tx = _optimizers(config)
+    x, step, loss_config = batch["image"], state.step, config.loss
+    (loss, (log, stats, rec, latents, vq_state)), grads = _autoencoder_gradients(
+        state, x, rng, autoencoder=autoencoder, model=model, config=config
     )
     metrics = {"loss": loss, **log, **stats}
     if axis_name is not None:
