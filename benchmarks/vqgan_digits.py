@@ -72,7 +72,7 @@ def configure(name, steps):
 def reconstruction_accuracy(workdir, vit_workdir):
     """Accuracy of the digits ViT on the VQGAN's reconstructions of the test split."""
     vit_config, predict = classification.make_predict(vit_workdir)
-    run_config, variables = checkpoint.load(workdir, variables=True)
+    run_config, variables = checkpoint.load(workdir, variables=vqgan.VARIABLE_FIELDS)
     model, variables = vqgan.inference_model(run_config, variables)
     source = data.load_source(
         run_config.data.name, run_config.data.eval_split, run_config.data.data_dir

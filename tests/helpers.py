@@ -207,7 +207,7 @@ def jit_steps(config):
         config.batch_size,
         config.eval_batch_size,
         mesh=config.get("mesh"),
-        rules=sharding.rules_for(config),
+        rules=sharding.rules_for(config, classification.SHARDING_RULES),
     )
     model = classification.create_model(config)
     ds = data.make_datasets(config)

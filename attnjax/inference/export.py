@@ -74,7 +74,7 @@ def _classification(config, workdir, step):
     from attnjax.tasks import classification
     from attnjax.train import checkpoint
 
-    _, variables = checkpoint.load(workdir, step=step, variables=True)
+    _, variables = checkpoint.load(workdir, step=step, variables=classification.VARIABLE_FIELDS)
     model = classification.create_model(config)
 
     def logits(images):

@@ -36,6 +36,21 @@ any container of them, e.g. a dict ``{"autoencoder": ..., "discriminator": ...}`
 
 Optional::
 
+    SHARDING_RULES: tuple of (regex, spec) pairs
+        How the train state is laid out over the mesh (``attnjax.train.sharding``; its
+        ``WHOLE_SCALARS`` and ``SPLIT_REST`` are the usual building blocks). Defaults to
+        everything replicated; ``config.partition_rules`` overrides it.
+
+    IDENTITY_FIELDS: tuple of config field names
+        The fields besides ``task`` that define the model a checkpoint holds: resuming in a
+        workdir whose checkpoints disagree on one of them is refused. Defaults to
+        ``("model",)``.
+
+    VARIABLE_FIELDS: tuple of train-state field names
+        The fields besides ``params`` that inference needs (BatchNorm statistics, a
+        quantizer's state): ``attnjax.train.checkpoint.load(workdir, variables=...)`` takes
+        them. Not read by the loop.
+
     make_datasets(config, *, process_index, process_count) -> attnjax.data.Datasets
         Defaults to ``attnjax.data.make_datasets`` (TFDS ``data_source`` + grain). A task whose
         data is derived (e.g. VQGAN code indices, cached on disk) builds its own grain pipeline

@@ -23,9 +23,15 @@ from absl import logging
 
 from attnjax.models import vit
 from attnjax.ops import positional
-from attnjax.train import checkpoint, optim
+from attnjax.train import checkpoint, optim, sharding
 
 MODELS = {"vit": vit.create_vit}
+# Config fields that define the model a checkpoint holds (a resumed run must agree on them).
+IDENTITY_FIELDS = ("model_name", "model")
+# Train-state fields besides the params that inference needs: none, the ViT keeps no statistics.
+VARIABLE_FIELDS = ()
+# Every array split over the fsdp axis, scalars and the class-count head bias whole.
+SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
 
 
 TrainState = optim.TrainState
@@ -227,7 +233,7 @@ def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:
     the parameters closed over (one compilation per input shape). ``load_kwargs`` go to
     ``attnjax.train.checkpoint.load`` (``step``, ``best``, ``use_ema``).
     """
-    config, model_variables = checkpoint.load(workdir, variables=True, **load_kwargs)
+    config, model_variables = checkpoint.load(workdir, variables=VARIABLE_FIELDS, **load_kwargs)
     model = create_model(config)
 
     @jax.jit

@@ -1,13 +1,11 @@
 """The transformer prior over VQGAN codes: cross-entropy on code sequences, class-conditional.
 
-The data are the codes of a trained VQGAN (``config.vqgan_workdir``): its dataset (the VQGAN
-run's ``config.data``: same TFDS source, size and normalisation) is encoded once to token grids,
-flattened in raster order, and cached on disk as ``.npz`` next to the VQGAN
-(``<vqgan_workdir>/codes/`` unless ``config.codes_cache_dir`` says otherwise). The cache key
-hashes the VQGAN workdir, its checkpoint step, its parameters and the data settings, so a
-retrained VQGAN is encoded afresh. ``config.data.train_shifts = s`` also encodes every training
-image shifted by each ``(dy, dx)`` in ``[-s, s]^2`` (zero fill): (2s + 1)^2 code sequences per
-image, an augmentation that costs nothing per step.
+The data are the codes of a trained VQGAN (``config.vqgan_workdir``): its dataset encoded once
+to token grids and cached on disk (``attnjax.tasks.vqgan_codes``), next to the VQGAN
+(``<vqgan_workdir>/codes/``) unless ``config.codes_cache_dir`` says otherwise.
+``config.data.train_shifts = s`` also encodes every training image shifted by each ``(dy, dx)``
+in ``[-s, s]^2`` (zero fill): (2s + 1)^2 code sequences per image, an augmentation that costs
+nothing per step.
 
 Batches: ``{"codes": int32 [batch, num_tokens], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
 Metrics: ``loss`` (nats per token), ``bits_per_token``, ``accuracy`` (next-token top-1);
@@ -18,27 +16,20 @@ sampled with ``config.sampling`` (temperature, top_k, top_p) and decoded by the 
 Config: ``vqgan_workdir``, ``vqgan_step`` (None: latest), ``num_classes`` (0: unconditional),
 ``class_dropout`` (the fraction of training sequences whose class token is replaced by the null
 token, so that sampling can use classifier-free guidance ``sampling.guidance``; 0: off),
-``model`` (``attnjax.models.gpt.GPT`` fields other than vocab/block size, which come from the VQGAN),
+``model`` (``attnjax.models.gpt.GPT`` fields other than vocab/block size, which come from the
+VQGAN),
 ``data.train_shifts``, ``sampling``, ``codes_cache_dir``, and the optimiser fields of
 ``attnjax.train.optim``.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
-from typing import Any, NamedTuple
 
-import flax
-import flax.linen as nn
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
-from tqdm import tqdm
 
 from attnjax import data
 from attnjax.data.images import save_image_grid
@@ -46,152 +37,20 @@ from attnjax.models import gpt
 from attnjax.models.gpt import null_tokens, prefix_tokens
 from attnjax.models.sampling import sample
 from attnjax.tasks import vqgan as vqgan_task
-from attnjax.train import checkpoint, optim
+
+# The VQGAN side (its codes, images of its dataset): in vqgan_codes, importable from here too.
+from attnjax.tasks.vqgan_codes import TrainedVQGAN as TrainedVQGAN
+from attnjax.tasks.vqgan_codes import encode_split, load_vqgan
+from attnjax.tasks.vqgan_codes import first_codes as first_codes
+from attnjax.tasks.vqgan_codes import load_images as load_images
+from attnjax.train import optim, sharding
+
+# Config fields that define the model a checkpoint holds (a resumed run must agree on them).
+IDENTITY_FIELDS = ("model_name", "model")
+# Every array split over the fsdp axis, scalars and step counters whole.
+SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
 
 TrainState = optim.TrainState
-
-
-class TrainedVQGAN(NamedTuple):
-    """A trained VQGAN as the prior needs it."""
-
-    workdir: str
-    config: Any  # the VQGAN run's config
-    model: nn.Module  # its VQGAN module (``encode``, ``decode_indices``)
-    variables: dict  # {"params": ...} (+ any collections the module reads)
-    step: int
-    grid_shape: tuple  # the token grid (h, w)
-
-
-# --------------------------------------------------------------------------------------------
-# The VQGAN and its codes
-# --------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
-    """The VQGAN trained in ``workdir`` (cached per process: the prior's steps reuse it)."""
-    if not workdir or not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise FileNotFoundError(
-            f"config.vqgan_workdir={workdir!r} holds no checkpoints: train the VQGAN first "
-            "(python train.py --config configs/vqgan_digits.py --workdir <dir>)"
-        )
-    vq_config, loaded = checkpoint.load(workdir, step=step, variables=True)
-    if vq_config.task != "vqgan":
-        raise ValueError(
-            f"config.vqgan_workdir={workdir!r} holds a {vq_config.task!r} run, expected a 'vqgan' run"
-        )
-    model, variables = vqgan_task.inference_model(vq_config, loaded)
-    step = checkpoint.latest_step(workdir) if step is None else step
-    size = vq_config.data.image_size or model.resolution  # image_size 0: the native size
-    image = jax.ShapeDtypeStruct((1, size, size, model.in_channels), jnp.float32)
-    grid = jax.eval_shape(lambda x: _encode_indices(model, variables, x), image).shape[1:]
-    return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(grid))
-
-
-def _params_digest(tree) -> str:
-    digest = hashlib.sha1()
-    for path, leaf in sorted(flax.traverse_util.flatten_dict(tree, sep="/").items()):
-        digest.update(path.encode())
-        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    return digest.hexdigest()
-
-
-def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
-    """``[H, W, C]`` moved by ``(dy, dx)`` pixels, zero fill."""
-    height, width = image.shape[:2]
-    pad = max(abs(dy), abs(dx))
-    padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-    return padded[pad - dy : pad - dy + height, pad - dx : pad - dx + width]
-
-
-def load_images(data_config, split: str, shifts: int):
-    """Normalised images ``[N * (2 shifts + 1)^2, H, W, C]`` and labels of a TFDS split."""
-    source = data.load_source(data_config.name, split, data_config.get("data_dir"))
-    mean = np.asarray(data_config.mean, np.float32)
-    std = np.asarray(data_config.std, np.float32)
-    images, labels = [], []
-    offsets = [(dy, dx) for dy in range(-shifts, shifts + 1) for dx in range(-shifts, shifts + 1)]
-    for i in range(len(source)):
-        record = source[i]
-        image = data.resize(np.asarray(record[data_config.image_key]), data_config.image_size)
-        for dy, dx in offsets:
-            images.append(_shift(image, dy, dx))
-            labels.append(int(record[data_config.label_key]))
-    images = (np.stack(images).astype(np.float32) / 255.0 - mean) / std
-    return images, np.asarray(labels, np.int32)
-
-
-def _encode_indices(model, variables, images):
-    """``[b, H, W, C]`` -> the VQGAN's token grid ``[b, h, w]``."""
-    return model.apply(variables, images, method=type(model).encode)[1]
-
-
-def encode_split(
-    vqgan: TrainedVQGAN, split: str, *, shifts: int = 0, cache_dir: str, batch_size: int = 256
-):
-    """Codes ``int32 [N, h * w]`` (raster order) and labels ``int32 [N]`` of one split, cached."""
-    data_config = vqgan.config.data
-    key = json.dumps(
-        {
-            "vqgan_workdir": os.path.abspath(vqgan.workdir),
-            "step": int(vqgan.step),
-            "params": _params_digest(vqgan.variables),
-            "data": {
-                k: data_config.get(k)
-                for k in ("name", "image_size", "image_key", "label_key", "mean", "std")
-            },
-            "split": split,
-            "shifts": shifts,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"{split}-shift{shifts}-{digest}.npz")
-    if os.path.exists(path):
-        with np.load(path) as cached:
-            logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
-            return cached["codes"], cached["labels"]
-    images, labels = load_images(data_config, split, shifts)
-    # A closure, not a static argument: a VQGAN built from a config holds lists (unhashable).
-    encode = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))
-    codes = []
-    for start in tqdm(
-        range(0, len(images), batch_size),
-        desc=f"encoding {split} to codes",
-        unit="batch",
-        leave=False,
-    ):
-        chunk = images[start : start + batch_size]
-        padded = np.concatenate(
-            [chunk, np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)]
-        )  # one shape, one compilation
-        codes.append(np.asarray(encode(padded))[: len(chunk)].reshape(len(chunk), -1))
-    codes = np.concatenate(codes).astype(np.int32)
-    os.makedirs(cache_dir, exist_ok=True)
-    # Written whole, then renamed: a killed run leaves no bad cache; per process, because every
-    # process of a multi-process run encodes (and writes) the same split.
-    partial = f"{path}.{os.getpid()}.partial.npz"
-    np.savez(partial, codes=codes, labels=labels, key=key)
-    os.replace(partial, path)
-    logging.info(
-        "prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path
-    )
-    return codes, labels
-
-
-def first_codes(vqgan: TrainedVQGAN, number: int, split: str | None = None):
-    """The first ``number`` images of a split (default: the VQGAN's eval split) as completion
-    material: ``(images [n, H, W, C] normalised, codes int32 [n, h, w], labels int32 [n])``."""
-    images, labels = load_images(vqgan.config.data, split or vqgan.config.data.eval_split, 0)
-    if not 1 <= number <= len(images):
-        raise ValueError(
-            f"first_codes: number must be in [1, {len(images)}] (the images of the "
-            f"split), got {number}"
-        )
-    images, labels = images[:number], labels[:number]
-    codes = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))(images)
-    return images, np.asarray(codes, np.int32), labels
 
 
 def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
@@ -343,7 +202,7 @@ def _eval_params(state: TrainState):
 def eval_step(state: TrainState, batch, *, config, model):
     codes, mask = batch["codes"], batch["mask"]
     logits = gpt.sequence_logits(model, _eval_params(state), codes, _prefix(config, model, batch))
-    nll = jax.vmap(lambda l, c: gpt.cross_entropy(l[None], c[None]))(logits, codes)
+    nll = jax.vmap(lambda row, c: gpt.cross_entropy(row[None], c[None]))(logits, codes)
     correct = jnp.mean((jnp.argmax(logits, -1) == codes).astype(jnp.float32), axis=-1)
     return {
         "nll": jnp.sum(nll * mask),
@@ -368,7 +227,8 @@ def sample_codes(
     top_p: float | None = None,
     guidance: float | None = None,
 ):
-    """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as ``sample_images``)."""
+    """Code grids ``[b, h, w]`` sampled in raster order; traceable (arguments as
+    ``sample_images``)."""
     height, width = grid_shape
     batch = num_samples if labels is None else len(labels)
     prefix = prefix_tokens(labels, codebook_size, num_classes, batch)

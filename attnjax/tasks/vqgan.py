@@ -5,7 +5,8 @@ Batches: ``{"image": float32 [batch, H, W, C], "label": ...}`` normalised with
 
 Train state: ``params = {"autoencoder", "discriminator"}`` and ``quantizer_state``, the
 quantizer's non-trained state (its ``vq_state`` collection: EMA codebook, per-code usage), which
-``checkpoint.load(..., variables=True)`` returns with the params (see ``inference_model``).
+``checkpoint.load(..., variables=VARIABLE_FIELDS)`` returns with the params (see
+``inference_model``).
 Each step:
 
 1. autoencoder update: ``vqgan_loss.generator_loss`` (L1 + LPIPS, codebook loss, and the
@@ -14,7 +15,8 @@ Each step:
    ``lax.cond`` skipping it made the XLA:CPU step over ten times slower, not faster);
 2. discriminator update on the same reconstructions (taming recomputes them with the updated
    autoencoder; one forward pass less here), its loss also gated by ``disc_start``;
-3. dead-code re-seeding (``vector_quantizer.reseed_dead_codes``) when ``config.reseed_threshold > 0``.
+3. dead-code re-seeding (``vector_quantizer.reseed_dead_codes``) when
+   ``config.reseed_threshold > 0``.
 
 Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, ``model.beta``,
 ``model.quantizer`` (``kind``: "vq", "fsq", "lfq" or "simvq", ``rotation_trick``, and the
@@ -24,8 +26,8 @@ option off), ``reseed_threshold`` (kind "vq" only), ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
 ``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
 ``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
-``attnjax.models.lpips.load_variables``; "" turns the perceptual term off, and the log says so; torch is
-never needed here), ``disc_learning_rate`` and the ``attnjax.train.optim``
+``attnjax.models.lpips.load_variables``; "" turns the perceptual term off, and the log says so;
+torch is never needed here), ``disc_learning_rate`` and the ``attnjax.train.optim``
 fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
 
 Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
@@ -48,12 +50,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from jax.sharding import PartitionSpec as P
 
 from attnjax.data.images import save_image_grid
 from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
-from attnjax.train import optim
+from attnjax.train import optim, sharding
+
+# Config fields that define the model a checkpoint holds (a resumed run must agree on them).
+IDENTITY_FIELDS = ("model",)
+# Train-state fields besides the params that inference needs (the discriminator's BatchNorm
+# statistics and the quantizer's state), returned by ``checkpoint.load(..., variables=...)``.
+VARIABLE_FIELDS = ("batch_stats", "quantizer_state")
+# The codebook and its usage statistics (1024 x 256 floats for ImageNet f16) stay whole: with
+# them split, the dead-code re-seeding's random picks came out differently from the unsplit
+# run's (XLA:CPU), and whole they cost 1 MiB. The autoencoder, discriminator and LPIPS constants
+# are split over the fsdp axis.
+CODEBOOK_WHOLE = (r"(^|/)vq_state/|(^|/)quantize/embedding$", P())
+SHARDING_RULES = (sharding.WHOLE_SCALARS, CODEBOOK_WHOLE, sharding.SPLIT_REST)
 
 
 @flax.struct.dataclass
@@ -89,7 +104,8 @@ def _reseeds(config) -> bool:
 
 
 def create_model(config) -> dict:
-    """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None, "lpips": LPIPS | None}``."""
+    """``{"autoencoder": VQGAN, "discriminator": NLayerDiscriminator | None,
+    "lpips": LPIPS | None}``."""
     if _reseeds(config) and not config.model.get("quantizer", {}).get("usage_decay"):
         raise ValueError(
             "config.reseed_threshold > 0 needs config.model.quantizer.usage_decay > 0 "
@@ -123,7 +139,8 @@ def create_autoencoder(config) -> vqgan.VQGAN:
 
 
 def inference_model(config, variables):
-    """``(VQGAN, variables for its apply)`` from ``checkpoint.load(workdir, variables=True)``."""
+    """``(VQGAN, variables for its apply)`` from
+    ``checkpoint.load(workdir, variables=VARIABLE_FIELDS)``."""
     return create_autoencoder(config), _autoencoder_variables(
         variables["params"], variables.get("quantizer_state")
     )
@@ -178,16 +195,10 @@ def _perceptual_fn(state, model, config):
     return lambda a, b: model["lpips"].apply(state.lpips_params, _rgb(a), _rgb(b))
 
 
-def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
-    autoencoder, disc = model["autoencoder"], model["discriminator"]
-    if axis_name is not None:
-        # Under pmap the quantizer's batch statistics (usage, LFQ's entropy of the mean code
-        # distribution) must span every device's examples, not one device's.
-        autoencoder = autoencoder.clone(
-            quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name}
-        )
-    tx, disc_tx = _optimizers(config)
-    x, step, loss_config = batch["image"], state.step, config.loss
+def _autoencoder_gradients(state: TrainState, x, rng, *, autoencoder, model, config):
+    """The autoencoder's loss (``vqgan_loss.generator_loss``) and its gradient ->
+    ``((loss, (log, stats, rec, latents, vq_state)), grads)``."""
+    disc, step, loss_config = model["discriminator"], state.step, config.loss
     perceptual = _perceptual_fn(state, model, config)
     disc_start = int(loss_config.get("disc_start", 0))
 
@@ -218,8 +229,21 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
         stats = {k: aux[k] for k in ("perplexity", "codebook_usage")}
         return loss, (log, stats, rec, aux["latents"], updated.get("vq_state", {}))
 
-    (loss, (log, stats, rec, latents, vq_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params["autoencoder"]
+    return jax.value_and_grad(loss_fn, has_aux=True)(state.params["autoencoder"])
+
+
+def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
+    autoencoder, disc = model["autoencoder"], model["discriminator"]
+    if axis_name is not None:
+        # Under pmap the quantizer's batch statistics (usage, LFQ's entropy of the mean code
+        # distribution) must span every device's examples, not one device's.
+        autoencoder = autoencoder.clone(
+            quantizer={**(autoencoder.quantizer or {}), "axis_name": axis_name}
+        )
+    tx, disc_tx = _optimizers(config)
+    x, step, loss_config = batch["image"], state.step, config.loss
+    (loss, (log, stats, rec, latents, vq_state)), grads = _autoencoder_gradients(
+        state, x, rng, autoencoder=autoencoder, model=model, config=config
     )
     metrics = {"loss": loss, **log, **stats}
     if axis_name is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging as std_logging
 import os
+from typing import Sequence
 
 import flax.serialization
 import grain
@@ -34,10 +35,9 @@ from etils import epath
 from attnjax.train import checkpoint_integrity
 
 CONFIG_FILE = "config.json"
-# Config fields that define the model a checkpoint holds; a resumed run must agree on them.
-IDENTITY_FIELDS = ("task", "model_name", "model")
-# Train-state fields holding model variables besides the params, which inference needs too.
-VARIABLE_FIELDS = ("batch_stats", "quantizer_state")
+# Config fields besides ``task`` that define the model a checkpoint holds, for a task that
+# declares none (a task's ``IDENTITY_FIELDS``); a resumed run must agree on them.
+DEFAULT_IDENTITY_FIELDS = ("model",)
 
 
 def _checkpoint_dir(workdir: str, best: bool = False) -> str:
@@ -75,13 +75,16 @@ def write_config(workdir: str, config) -> None:
         json.dump(_jsonable(config), f, indent=2, sort_keys=True)
 
 
-def check_compatible(workdir: str, config) -> None:
-    """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model."""
+def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENTITY_FIELDS) -> None:
+    """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model: one whose
+    config differs from ``config`` in ``task`` or one of ``fields``."""
     if latest_step(workdir) is None or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
         return
     saved, current = _jsonable(read_config(workdir)), _jsonable(config)
     differ = {
-        k: (saved.get(k), current.get(k)) for k in IDENTITY_FIELDS if saved.get(k) != current.get(k)
+        k: (saved.get(k), current.get(k))
+        for k in ("task", *fields)
+        if saved.get(k) != current.get(k)
     }
     if differ:
         details = "; ".join(
@@ -129,7 +132,8 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict) -> None:
         """``state``: host or global device arrays; ``data_state``: this process's iterator."""
-        try:
+        # An earlier asynchronous write's failure surfaces here too.
+        with checkpoint_integrity.disk_full_as_write_error(str(self.manager.directory)):
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -137,9 +141,6 @@ class Checkpointer:
                     data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                 ),
             )
-        except Exception as error:  # an earlier asynchronous write's failure surfaces here
-            checkpoint_integrity.raise_if_disk_full(error, str(self.manager.directory))
-            raise
 
     def save_best(self, step: int, state, metrics: dict) -> None:
         if self.best_manager is None:
@@ -151,7 +152,7 @@ class Checkpointer:
             )
         if not np.isfinite(metrics[self.best_metric]):
             return  # a NaN would compare as "best" and push out the real best checkpoint
-        try:
+        with checkpoint_integrity.disk_full_as_write_error(str(self.best_manager.directory)):
             self.best_manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -159,9 +160,6 @@ class Checkpointer:
                 ),
                 metrics={k: float(v) for k, v in metrics.items()},
             )
-        except Exception as error:  # an earlier asynchronous write's failure surfaces here too
-            checkpoint_integrity.raise_if_disk_full(error, str(self.best_manager.directory))
-            raise
 
     def restore(self, state, iterator, step: int | None = None):
         """Restores into the structure and shardings of ``state`` (placed device arrays, or host
@@ -182,7 +180,8 @@ class Checkpointer:
 
     def restore_intact(self, state, iterator):
         """Restores the newest intact checkpoint (see ``checkpoint_integrity``) and sets
-        ``iterator`` to its position -> ``(step, state)``, or ``(None, state)`` when there is none."""
+        ``iterator`` to its position -> ``(step, state)``, or ``(None, state)`` when there is
+        none."""
         steps = list(self.manager.all_steps())
         if not steps:
             return None, state
@@ -198,12 +197,9 @@ class Checkpointer:
         for manager in (self.manager, self.best_manager):
             if manager is None:
                 continue
-            try:
+            with checkpoint_integrity.disk_full_as_write_error(str(manager.directory)):
                 manager.wait_until_finished()
                 manager.close()  # an asynchronous write's failure may surface here instead
-            except Exception as error:
-                checkpoint_integrity.raise_if_disk_full(error, str(manager.directory))
-                raise
 
 
 class _IteratorState:
@@ -222,7 +218,7 @@ def load(
     step: int | None = None,
     best: bool = False,
     use_ema: bool = True,
-    variables: bool = False,
+    variables: Sequence[str] | None = None,
 ):
     """Loads a trained run: ``(config, params)``.
 
@@ -231,9 +227,10 @@ def load(
       step: which checkpoint (default: the latest, or the best with ``best=True``).
       best: read ``checkpoints_best/`` (the best ``config.best_metric``) instead of the latest.
       use_ema: return the EMA parameters when the run kept them (what its eval used).
-      variables: return a dict ``{"params": ...}`` plus each non-empty state field named in
-        ``VARIABLE_FIELDS`` (BatchNorm statistics, a quantizer's codebook state) instead of
-        the params.
+      variables: names of train-state fields besides the params that inference needs (the
+        task's ``VARIABLE_FIELDS``: BatchNorm statistics, a quantizer's codebook state); when
+        given, a dict ``{"params": ...}`` plus each non-empty one of them is returned instead
+        of the params.
 
     Returns:
       ``(config, params)`` (or ``(config, variables)``) as host numpy trees; tasks with several
@@ -277,8 +274,8 @@ def load(
     params = state["params"]
     if use_ema and state.get("ema_params") is not None:
         params = state["ema_params"]
-    if not variables:
+    if variables is None:
         return config, params
     out = {"params": params}
-    out.update({name: state[name] for name in VARIABLE_FIELDS if state.get(name)})
+    out.update({name: state[name] for name in variables if state.get(name)})
     return config, out

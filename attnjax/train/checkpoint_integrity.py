@@ -10,6 +10,7 @@ deleted; Orbax ignores names that are not step numbers).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -107,14 +108,22 @@ def disk_full_errno(error: BaseException) -> int | None:
     return None
 
 
-def raise_if_disk_full(error: BaseException, directory: str) -> None:
-    """Re-raises a disk-full failure of a checkpoint write as one readable line."""
-    code = disk_full_errno(error)
-    if code is None:
-        return
-    raise CheckpointWriteError(
-        code,
-        f"could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
-        f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
-        f"(or raise the file size limit) and rerun the same command",
-    ) from error
+@contextlib.contextmanager
+def disk_full_as_write_error(directory: str):
+    """Re-raises a disk-full failure inside the block as one readable ``CheckpointWriteError``
+    naming ``directory``; other errors pass unchanged.
+
+    An asynchronous checkpoint write that failed may surface in any later Orbax call (the next
+    save, the final wait, a restore), so every such call is wrapped, not only the save."""
+    try:
+        yield
+    except Exception as error:
+        code = disk_full_errno(error)
+        if code is None:
+            raise
+        raise CheckpointWriteError(
+            code,
+            f"could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
+            f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
+            f"(or raise the file size limit) and rerun the same command",
+        ) from error

@@ -96,20 +96,8 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0, por
             port=port,
             devices_per_process=devices_per_process,
         )
-        # Own session per process: killing it also ends its children (data workers).
-        proc = subprocess.Popen(
-            [sys.executable, *command],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        proc, thread = _start(command, env, index, lock)
         procs.append(proc)
-        with lock:
-            print(f"[launch] process {index}: pid {proc.pid}", flush=True)
-        thread = threading.Thread(target=_stream, args=(proc, f"[p{index}]", lock), daemon=True)
-        thread.start()
         threads.append(thread)
 
     def on_signal(signum, _):
@@ -118,21 +106,7 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0, por
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = 0
-        while [p.poll() for p in procs].count(None):  # polls every one (any() would stop early)
-            failed = [
-                (i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)
-            ]
-            if failed:
-                index, code = failed[0]
-                with lock:
-                    print(
-                        f"[launch] process {index} exited with {code}; stopping the others",
-                        flush=True,
-                    )
-                _kill(procs)
-                break
-            time.sleep(0.1)
+        code = _wait(procs, lock)
         for thread in threads:
             thread.join(timeout=GRACE_SECONDS)
         if code == 0:
@@ -141,6 +115,42 @@ def launch(command: list[str], processes: int, devices_per_process: int = 0, por
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _start(command: list[str], env: dict, index: int, lock: threading.Lock):
+    """Process ``index`` running ``python command...`` and the thread forwarding its output."""
+    # Own session per process: killing it also ends its children (data workers).
+    proc = subprocess.Popen(
+        [sys.executable, *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    with lock:
+        print(f"[launch] process {index}: pid {proc.pid}", flush=True)
+    thread = threading.Thread(target=_stream, args=(proc, f"[p{index}]", lock), daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def _wait(procs: list, lock: threading.Lock) -> int:
+    """Waits for every process -> 0, or the exit code of the first that failed, once the
+    others are killed."""
+    while [p.poll() for p in procs].count(None):  # polls every one (any() would stop early)
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed:
+            index, code = failed[0]
+            with lock:
+                print(
+                    f"[launch] process {index} exited with {code}; stopping the others",
+                    flush=True,
+                )
+            _kill(procs)
+            return code
+        time.sleep(0.1)
+    return 0
 
 
 def main(argv=None) -> int:

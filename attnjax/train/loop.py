@@ -2,7 +2,10 @@
 
 Order of business, so that a bad config fails before anything in the workdir changes:
 task, parallel mode and batch divisibility, model identity against existing checkpoints,
-model, data, train state (optimiser), and only then checkpoints, config.json and logs.
+model, data, train state (optimiser), and only then the workdir lock, checkpoints, config.json
+and logs. What the run holds open (the lock, the checkpointer, the metric writer, the progress
+bar, the signal handlers) sits on one ``contextlib.ExitStack``: closed in reverse, so the
+checkpointer's pending writes finish before the lock is released, whatever ended the run.
 
 Per-step RNG keys are ``fold_in(key(seed), step)``, the data stream is a function of the seed
 and the iterator position, and both the state and the iterator position are checkpointed, so a
@@ -11,8 +14,11 @@ resumed run computes exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,19 +88,17 @@ def evaluate(
 
 
 class _StepKeys:
-    """``fold_in(train_rng, i)`` for step ``i``, computed ``chunk`` steps at a time into host memory.
+    """``fold_in(train_rng, i)`` for step ``i``, computed ``chunk`` steps at a time into host
+    memory.
 
     A key made on the device per step is a small computation queued behind the running step, and
     the loop waits for it before it can dispatch the next one; keys from host memory let the
     loop run ahead of the device, as it does with batches. Same keys as folding in one by one."""
 
     def __init__(self, train_rng, chunk: int):
-        self.train_rng, self.chunk, self.first, self.keys = (
-            train_rng,
-            max(int(chunk), 1),
-            None,
-            None,
-        )
+        self.train_rng = train_rng
+        self.chunk = max(int(chunk), 1)
+        self.first, self.keys = None, None
 
     def __call__(self, index: int) -> np.ndarray:
         if self.first is None or not self.first <= index < self.first + self.chunk:
@@ -115,41 +119,93 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     """
     _check_loop_fields(config)
     parallel.maybe_initialize_distributed(config)
-    dp = parallel.DataParallel(
+    dp = _make_data_parallel(config, task)
+    identity = getattr(task, "IDENTITY_FIELDS", checkpoint.DEFAULT_IDENTITY_FIELDS)
+    checkpoint.check_compatible(workdir, config, identity)
+    model = task.create_model(config)
+    datasets = _make_datasets(config, task)
+    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    state = _create_train_state(config, task, model, datasets, dp, init_rng)
+
+    is_main = jax.process_index() == 0
+    with contextlib.ExitStack() as stack:
+        if is_main:  # registered once taken: a failure to take it releases no one's lock
+            stack.callback(workdir_lock.release, workdir, workdir_lock.acquire(workdir))
+        ckpt = checkpoint.Checkpointer(workdir, config)
+        stack.callback(ckpt.close)  # waits for pending writes
+        train_iter = data.make_iterator(datasets.train, config.get("data"))
+        start, state = _restore(ckpt, state, train_iter, workdir)
+        if is_main:
+            checkpoint.write_config(workdir, config)
+        _log_setup(config, datasets, dp)
+        if dp.mode == "pmap":
+            state = dp.place_state(state)
+        train_step, eval_step = _compile_steps(config, task, model, dp, state)
+        batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
+        writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
+        stack.callback(writer.close)
+        run = _Run(
+            config,
+            task,
+            model,
+            workdir,
+            dp,
+            datasets,
+            train_step,
+            eval_step,
+            ckpt,
+            writer,
+            watch=nonfinite.NonfiniteWatch(config, start),
+            bar=stack.enter_context(_progress_bar(config, start, enabled=is_main)),
+        )
+        stop = stack.enter_context(preemption.StopRequest())
+        # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
+        # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
+        with checkpoint_integrity.disk_full_as_write_error(str(ckpt.manager.directory)):
+            state, result = _train(
+                run, state, start, batches, _StepKeys(train_rng, config.log_every), stop
+            )
+            _finish(run, state, start, result)
+    if is_main:
+        report.plot_curves(workdir)
+    return result
+
+
+def _make_data_parallel(config, task) -> parallel.DataParallel:
+    return parallel.DataParallel(
         config.get("parallel", "jit"),
         config.batch_size,
         config.get("eval_batch_size") or None,
         mesh=config.get("mesh", None),
-        rules=sharding.rules_for(config),
+        rules=sharding.rules_for(config, getattr(task, "SHARDING_RULES", None)),
         devices=parallel.run_devices(config),
     )
-    checkpoint.check_compatible(workdir, config)
 
-    model = task.create_model(config)
+
+def _make_datasets(config, task) -> data.Datasets:
     make_datasets = getattr(task, "make_datasets", data.make_datasets)
-    datasets = make_datasets(
+    return make_datasets(
         config, process_index=jax.process_index(), process_count=jax.process_count()
     )
-    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+
+
+def _create_train_state(config, task, model, datasets, dp, init_rng):
+    """The task's initial state; under jit already in the mesh layout restored checkpoints take."""
     example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
-    if dp.mode == "jit":
-        state = dp.place_state(state)  # restored checkpoints take this layout
+    return dp.place_state(state) if dp.mode == "jit" else state
 
-    is_main = jax.process_index() == 0
-    lock = workdir_lock.acquire(workdir) if is_main else None
-    try:
-        ckpt = checkpoint.Checkpointer(workdir, config)
-        train_iter = data.make_iterator(datasets.train, config.get("data"))
-        start, state = ckpt.restore_intact(state, train_iter)
-    except BaseException:
-        workdir_lock.release(workdir, lock)
-        raise
+
+def _restore(ckpt, state, train_iter, workdir) -> tuple[int, Any]:
+    """The newest intact checkpoint, ``train_iter`` set to its position -> ``(step, state)``;
+    ``(0, state)`` on a fresh start."""
+    start, state = ckpt.restore_intact(state, train_iter)
     if start is not None:
         logging.info("resumed from %s at step %d", workdir, start)
-    start = start or 0
-    if is_main:
-        checkpoint.write_config(workdir, config)
+    return start or 0, state
+
+
+def _log_setup(config, datasets, dp) -> None:
     logging.info(
         "%s: %d train / %d eval examples, %d devices (%s), global batch %d",
         config.task,
@@ -160,123 +216,149 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         config.batch_size,
     )
 
-    if dp.mode == "pmap":
-        state = dp.place_state(state)
-    compiled_train_step = dp.compile_train_step(
+
+def _compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
+    train_step = dp.compile_train_step(
         functools.partial(task.train_step, config=config, model=model),
         dp.state_shardings(state) if dp.mode == "jit" else None,
     )
-    compiled_eval_step = dp.compile_eval_step(
-        functools.partial(task.eval_step, config=config, model=model)
-    )
-    batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
-    writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
-    watch = nonfinite.NonfiniteWatch(config, start)
+    eval_step = dp.compile_eval_step(functools.partial(task.eval_step, config=config, model=model))
+    return train_step, eval_step
 
-    step_keys = _StepKeys(train_rng, config.log_every)
 
-    def check_pending_finite(step):
-        """Before a save: the flags of the steps not yet fetched (one small transfer)."""
-        watch.check(step, dp.fetch([m["nonfinite"] for m in pending]))
-
-    num_steps = config.num_train_steps
-    result: dict = {"step": start}
-    pending, data_state = [], None
-    train_time, timed_steps, tick = 0.0, 0, time.perf_counter()
-    bar = tqdm.tqdm(
-        total=num_steps,
+def _progress_bar(config, start: int, *, enabled: bool) -> tqdm.tqdm:
+    return tqdm.tqdm(
+        total=config.num_train_steps,
         initial=start,
         desc=config.task,
         unit="step",
-        disable=not is_main or config.get("quiet", False),
+        disable=not enabled or config.get("quiet", False),
         dynamic_ncols=True,
     )
-    stop = preemption.StopRequest().__enter__()
-    try:
-        for step in range(start + 1, num_steps + 1):
-            batch, data_state = next(batches)
-            state, metrics = compiled_train_step(state, batch, step_keys(step - 1))
-            pending.append(metrics)
-            bar.update(1)
-            if step % config.log_every == 0 or step == num_steps:
-                fetched = dp.fetch(pending)
-                watch.check(step, [m.pop("nonfinite") for m in fetched])
-                logged = jax.tree.map(lambda *xs: float(np.mean(xs)), *fetched)
-                now = time.perf_counter()
-                # The first interval includes compilation; count it once there is a later one.
-                if step > start + len(pending) or step == num_steps:
-                    train_time += now - tick
-                    timed_steps += len(pending)
-                scalars = {f"train/{k}": v for k, v in logged.items()}
-                if timed_steps:
-                    scalars["steps_per_sec"] = timed_steps / train_time
-                if watch.mode == "skip":
-                    scalars["train/skipped_steps"] = watch.skipped
-                writer.write(step, scalars)
-                result.update(scalars)
-                shown = "loss" if "loss" in logged else min(logged)
-                bar.set_postfix({shown: f"{logged[shown]:.4f}"}, refresh=False)
-                pending = []
-            if step % config.eval_every == 0 or step == num_steps:
-                check_pending_finite(step)
-                eval_metrics = evaluate(
-                    task,
-                    dp,
-                    compiled_eval_step,
-                    state,
-                    datasets,
-                    config=config,
-                    model=model,
-                    workdir=workdir,
-                    step=step,
-                )
-                writer.write(step, eval_metrics)
-                result.update(eval_metrics)
-                bar.write(report.format_table(step, eval_metrics))
-                ckpt.save_best(step, dp.checkpointable(state), eval_metrics)
-            preempted = stop.requested(step)
-            if step % config.checkpoint_every == 0 or step == num_steps or preempted:
-                check_pending_finite(step)
-                ckpt.save(step, dp.checkpointable(state), data_state)
-            result["step"] = step
-            tick = time.perf_counter() if step % config.log_every == 0 else tick
-            if preempted and step < num_steps:
-                # Raised before the `finally` below, whose ckpt.close() waits for the write.
-                raise preemption.Preempted(step, str(ckpt.manager.directory), stop.signal_name)
-        if start >= num_steps:  # already finished: report the final evaluation again
-            result.update(
-                evaluate(
-                    task,
-                    dp,
-                    compiled_eval_step,
-                    state,
-                    datasets,
-                    config=config,
-                    model=model,
-                    workdir=workdir,
-                    step=start,
-                )
-            )
-        if hasattr(task, "finalize"):
-            result.update(
-                task.finalize(
-                    dp.to_host(state), result, config=config, model=model, workdir=workdir
-                )
-                or {}
-            )
-    except Exception as error:
-        # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
-        # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
-        checkpoint_integrity.raise_if_disk_full(error, str(ckpt.manager.directory))
-        raise
-    finally:
-        stop.__exit__(None, None, None)
-        bar.close()
-        try:
-            ckpt.close()
-        finally:
-            writer.close()
-            workdir_lock.release(workdir, lock)
-    if is_main:
-        report.plot_curves(workdir)
-    return result
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the step loop's helpers share, fixed once the run is set up."""
+
+    config: Any
+    task: Any
+    model: Any
+    workdir: str
+    dp: parallel.DataParallel
+    datasets: data.Datasets
+    train_step: Callable
+    eval_step: Callable
+    ckpt: checkpoint.Checkpointer
+    writer: report.MetricWriter
+    watch: nonfinite.NonfiniteWatch
+    bar: tqdm.tqdm
+
+
+class _Throughput:
+    """Training steps per second, timed from one log (after its evaluation and save) to the
+    next: the first interval, which includes compilation, counts only if no later one comes."""
+
+    def __init__(self, start: int, num_steps: int):
+        self.start, self.num_steps = start, num_steps
+        self.seconds, self.steps, self.tick = 0.0, 0, time.perf_counter()
+
+    def add(self, step: int, count: int) -> None:
+        """At a log: ``count`` steps ran since the last."""
+        if step > self.start + count or step == self.num_steps:
+            self.seconds += time.perf_counter() - self.tick
+            self.steps += count
+
+    def restart(self) -> None:
+        self.tick = time.perf_counter()
+
+
+def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any, dict]:
+    """Steps ``start + 1 .. num_train_steps``, logging, evaluating and saving on schedule ->
+    ``(state, result)``. Raises ``Preempted`` after saving when ``stop`` asks for it."""
+    config, num_steps = run.config, run.config.num_train_steps
+    result: dict = {"step": start}
+    pending = []  # metrics of the steps since the last log, still on the device
+    throughput = _Throughput(start, num_steps)
+    for step in range(start + 1, num_steps + 1):
+        batch, data_state = next(batches)
+        state, metrics = run.train_step(state, batch, step_keys(step - 1))
+        pending.append(metrics)
+        run.bar.update(1)
+        last = step == num_steps
+        if step % config.log_every == 0 or last:
+            result.update(_log_train(run, step, pending, throughput))
+            pending = []
+        if step % config.eval_every == 0 or last:
+            _check_pending_finite(run, step, pending)
+            result.update(_evaluate_and_keep_best(run, state, step))
+        preempted = stop.requested(step)
+        if step % config.checkpoint_every == 0 or last or preempted:
+            _check_pending_finite(run, step, pending)
+            run.ckpt.save(step, run.dp.checkpointable(state), data_state)
+        result["step"] = step
+        if step % config.log_every == 0:
+            throughput.restart()
+        if preempted and not last:
+            # The caller's exit stack closes the checkpointer, which waits for this save.
+            raise preemption.Preempted(step, str(run.ckpt.manager.directory), stop.signal_name)
+    return state, result
+
+
+def _log_train(run: _Run, step: int, pending: list, throughput: _Throughput) -> dict:
+    """Fetches the metrics of the steps since the last log, checks their non-finite flags and
+    writes their averages -> the scalars written."""
+    fetched = run.dp.fetch(pending)
+    run.watch.check(step, [m.pop("nonfinite") for m in fetched])
+    logged = jax.tree.map(lambda *xs: float(np.mean(xs)), *fetched)
+    throughput.add(step, len(pending))
+    scalars = {f"train/{k}": v for k, v in logged.items()}
+    if throughput.steps:
+        scalars["steps_per_sec"] = throughput.steps / throughput.seconds
+    if run.watch.mode == "skip":
+        scalars["train/skipped_steps"] = run.watch.skipped
+    run.writer.write(step, scalars)
+    shown = "loss" if "loss" in logged else min(logged)
+    run.bar.set_postfix({shown: f"{logged[shown]:.4f}"}, refresh=False)
+    return scalars
+
+
+def _check_pending_finite(run: _Run, step: int, pending: list) -> None:
+    """Before a save: the flags of the steps not yet fetched (one small transfer)."""
+    run.watch.check(step, run.dp.fetch([m["nonfinite"] for m in pending]))
+
+
+def _evaluate(run: _Run, state, step: int) -> dict:
+    return evaluate(
+        run.task,
+        run.dp,
+        run.eval_step,
+        state,
+        run.datasets,
+        config=run.config,
+        model=run.model,
+        workdir=run.workdir,
+        step=step,
+    )
+
+
+def _evaluate_and_keep_best(run: _Run, state, step: int) -> dict:
+    """Evaluates, writes and shows the metrics, saves the best checkpoint -> the metrics."""
+    metrics = _evaluate(run, state, step)
+    run.writer.write(step, metrics)
+    run.bar.write(report.format_table(step, metrics))
+    run.ckpt.save_best(step, run.dp.checkpointable(state), metrics)
+    return metrics
+
+
+def _finish(run: _Run, state, start: int, result: dict) -> None:
+    """Adds to ``result`` the final evaluation of an already finished run (trained nothing) and
+    what the task's ``finalize`` returns."""
+    if start >= run.config.num_train_steps:
+        result.update(_evaluate(run, state, start))
+    if hasattr(run.task, "finalize"):
+        host = run.dp.to_host(state)
+        extra = run.task.finalize(
+            host, result, config=run.config, model=run.model, workdir=run.workdir
+        )
+        result.update(extra or {})

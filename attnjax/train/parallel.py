@@ -56,10 +56,10 @@ def maybe_initialize_distributed(config=None) -> None:
     """Joins this process to a multi-process JAX runtime when asked; else does nothing.
 
     Asked by ``$JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0) with
-    ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID`` (what ``python -m attnjax.train.launch`` sets), or
-    by ``config.distributed=True`` on clusters JAX detects itself (SLURM, TPU pods, Open MPI),
-    where ``jax.distributed.initialize()`` finds all three on its own. CPU devices exchange
-    data through gloo (the CPU client has no collectives across processes otherwise).
+    ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID`` (what ``python -m attnjax.train.launch``
+    sets), or by ``config.distributed=True`` on clusters JAX detects itself (SLURM, TPU pods,
+    Open MPI), where ``jax.distributed.initialize()`` finds all three on its own. CPU devices
+    exchange data through gloo (the CPU client has no collectives across processes otherwise).
     """
     wanted = (config is not None and config.get("distributed", False)) or os.environ.get(
         ENV_COORDINATOR

@@ -33,20 +33,12 @@ AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
 FSDP = "fsdp"
 
-# Per task, the models its state holds: the ViT; the VQGAN autoencoder, its codebook,
-# PatchGAN discriminator and LPIPS constants; the GPT prior. As in PyTorch's FSDP, every array
-# is split (a 1-D bias too, when the axis divides it); scalars, step counters and
+# Building blocks of a task's rules (``SHARDING_RULES`` in its module). As in PyTorch's FSDP,
+# every array is split (a 1-D bias too, when the axis divides it); scalars, step counters and
 # class-count-sized head biases (10, 1000: rarely divisible) stay whole.
-_WHOLE = (r"(^|/)(count|step|mini_step|gradient_step)$|(^|/)head/bias$", P())
-# The VQGAN's codebook and its usage statistics (1024 x 256 floats for ImageNet f16) stay
-# whole: with them split, the dead-code re-seeding's random picks came out differently from
-# the unsplit run's (XLA:CPU), and whole they cost 1 MiB.
-_CODEBOOK = (r"(^|/)vq_state/|(^|/)quantize/embedding$", P())
-RULES = {
-    "classification": (_WHOLE, (r".*", FSDP)),
-    "vqgan": (_WHOLE, _CODEBOOK, (r".*", FSDP)),
-    "prior": (_WHOLE, (r".*", FSDP)),
-}
+WHOLE_SCALARS = (r"(^|/)(count|step|mini_step|gradient_step)$|(^|/)head/bias$", P())
+SPLIT_REST = (r".*", FSDP)
+REPLICATED = ((r".*", P()),)
 
 
 def make_mesh(mesh_config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -134,13 +126,13 @@ def tree_shardings(tree, mesh: Mesh, rules):
     )
 
 
-def rules_for(config):
+def rules_for(config, default_rules=None):
     """``config.partition_rules`` (pairs of regex and ``"fsdp"`` or a tuple of axis names) if
-    set, else the task's entry of ``RULES`` (replicated everything if the task has none)."""
+    set, else ``default_rules`` (the task's ``SHARDING_RULES``), else everything replicated."""
     custom = config.get("partition_rules", None)
     if custom:
         return tuple((pattern, spec if spec == FSDP else P(*spec)) for pattern, spec in custom)
-    return RULES.get(config.get("task"), ((r".*", P()),))
+    return tuple(default_rules) if default_rules else REPLICATED
 
 
 def bytes_per_device(tree) -> int:

@@ -254,7 +254,7 @@ def test_encode_split_caches_codes_keyed_by_the_vqgan(tiny_vqgan, tmp_path):
 
 
 def test_shift_moves_pixels_with_zero_fill():
-    from attnjax.tasks import prior as task
+    from attnjax.tasks import vqgan_codes as task
 
     image = np.arange(16, dtype=np.uint8).reshape(4, 4, 1) + 1
     moved = task._shift(image, 1, -1)

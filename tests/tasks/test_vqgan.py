@@ -71,7 +71,7 @@ def test_short_run_with_gan(digits_dir, tmp_path):
     for name in ("reconstructions.png", "codebook.png"):
         assert os.path.getsize(os.path.join(workdir, name)) > 0
 
-    loaded_config, variables = checkpoint.load(workdir, variables=True)
+    loaded_config, variables = checkpoint.load(workdir, variables=vqgan_task.VARIABLE_FIELDS)
     model, inference_vars = vqgan_task.inference_model(loaded_config, variables)
     eval_batch = next(iter(data.make_datasets(config).eval))
     images = np.asarray(eval_batch["image"])

@@ -98,7 +98,7 @@ def test_best_checkpoint_and_load(tmp_path):
     assert_trees_equal(raw, make_state(3).params)
     _, best = checkpoint.load(workdir, best=True, use_ema=False)
     assert_trees_equal(best, make_state(2).params)
-    _, variables = checkpoint.load(workdir, step=2, use_ema=False, variables=True)
+    _, variables = checkpoint.load(workdir, step=2, use_ema=False, variables=("batch_stats",))
     assert sorted(variables) == ["batch_stats", "params"]
     assert_trees_equal(variables["batch_stats"], make_state(2).batch_stats)
 

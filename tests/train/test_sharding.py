@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT, assert_close
 from jax.sharding import PartitionSpec as P
 
+from attnjax.tasks import classification
 from attnjax.train import checkpoint, sharding
 
 EIGHT_DEVICES = textwrap.dedent("""
@@ -50,7 +51,7 @@ FOUR_DEVICES = textwrap.dedent("""
     workdir = os.path.join({tmp!r}, "run4")
     config = fsdp_config({data_dir!r}, {{"data": 1, "fsdp": -1}}, steps=4)
     dp = parallel.DataParallel("jit", config.batch_size, mesh=config.mesh,
-                               rules=sharding.rules_for(config))
+                               rules=sharding.rules_for(config, classification.SHARDING_RULES))
     model = classification.create_model(config)
     datasets = data.make_datasets(config)
     example = next(data.make_iterator(datasets.train))
@@ -142,7 +143,7 @@ def test_fsdp_spec_takes_the_largest_dimension_the_axis_divides():
     single = jax.sharding.AbstractMesh((4, 1), ("data", "fsdp"))
     assert sharding.fsdp_spec((8, 8), single) == P()
     # An optimiser moment gets its parameter's layout; counters and biases stay whole.
-    rules = sharding.RULES["classification"]
+    rules = classification.SHARDING_RULES
     assert sharding.leaf_spec(
         "opt_state/1/0/trace/blocks_0/mlp/fc1/kernel", (32, 64), mesh, rules
     ) == P(None, "fsdp")
