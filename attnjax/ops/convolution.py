@@ -38,12 +38,13 @@ Outputs and gradients equal it to float32 rounding (``tests/test_convolution.py`
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from attnjax.ops.platform import cpu_cores
 
 Array = jax.Array
 
@@ -122,11 +123,7 @@ def _cores_left_idle() -> bool:
     1368 ms with the products (on one device: 1720 against 1562 ms)."""
     if jax.default_backend() != "cpu":
         return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return jax.local_device_count() < cores
+    return jax.local_device_count() < cpu_cores()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
