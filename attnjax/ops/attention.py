@@ -27,7 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.ops.blocked_attention import blocked_dot_product_attention, choose_implementation
+from attnjax.ops.blocked_attention import (
+    blocked_dot_product_attention,
+    choose_implementation,
+    cudnn_eligible,
+)
 from attnjax.ops.masks import causal_mask, check_mask_shape, large_negative, split_mask
 
 Array = jax.Array
@@ -87,12 +91,7 @@ def _explicit_attention(
 
 def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation):
     if implementation is None:
-        if (
-            jax.default_backend() == "gpu"
-            and query.dtype in (jnp.float16, jnp.bfloat16)
-            and query.shape[-1] % 8 == 0
-            and query.shape[-1] <= 128
-        ):
+        if cudnn_eligible(jax.default_backend(), query.dtype, query.shape[-1]):
             try:
                 cudnn_bias = None if bias is None else bias.astype(query.dtype)
                 return jax.nn.dot_product_attention(

@@ -58,21 +58,31 @@ CPU_LONG_KEY_BLOCK = 256
 CPU_LONG_BLOCK_FROM = 1024
 
 
+def cudnn_eligible(backend: str, dtype, head_dim: int) -> bool:
+    """Whether cuDNN flash attention may take the call: GPU, float16/bfloat16, ``head_dim`` a
+    multiple of 8 up to 128."""
+    return (
+        backend == "gpu"
+        and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
+
+
 def choose_implementation(
     backend: str, dtype, query_length: int, key_length: int, head_dim: int, value_dim: int
 ) -> str | None:
     """The fastest correct attention path for a backend, dtype and shape.
 
-    * GPU, float16/bfloat16, ``head_dim == value_dim``, a multiple of 8 up to 128: ``None``, the
-      fused ``jax.nn.dot_product_attention`` path, which tries cuDNN flash attention first (linear
+    * ``head_dim == value_dim`` and ``cudnn_eligible``: ``None``, the fused
+      ``jax.nn.dot_product_attention`` path, which tries cuDNN flash attention first (linear
       memory at any length).
     * ``max(query_length, key_length)`` at or above the backend's threshold
       (``BLOCKED_MIN_LENGTH``): ``"blocked"``, linear memory.
     * CPU from ``EXPLICIT_MIN_LENGTH_CPU`` tokens: ``"explicit"`` (einsum + softmax).
     * otherwise ``None``: XLA's fused attention, or einsum + softmax when ``head_dim != value_dim``.
     """
-    cudnn_shapes = head_dim == value_dim and head_dim % 8 == 0 and head_dim <= 128
-    if backend == "gpu" and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16) and cudnn_shapes:
+    if head_dim == value_dim and cudnn_eligible(backend, dtype, head_dim):
         return None
     length = max(query_length, key_length)
     if length >= BLOCKED_MIN_LENGTH.get(backend, BLOCKED_MIN_LENGTH_ACCELERATOR):
@@ -452,4 +462,9 @@ def blocked_dot_product_attention(
     return jnp.swapaxes(out[:, :, :length], 1, 2)
 
 
-__all__ = ("choose_implementation", "blocked_dot_product_attention", "BLOCKED_MIN_LENGTH")
+__all__ = (
+    "choose_implementation",
+    "cudnn_eligible",
+    "blocked_dot_product_attention",
+    "BLOCKED_MIN_LENGTH",
+)
