@@ -32,7 +32,7 @@ from attnjax.ops.blocked_attention import (
     choose_implementation,
     cudnn_eligible,
 )
-from attnjax.ops.masks import causal_mask, check_mask_shape, large_negative, split_mask
+from attnjax.ops.masks import as_4d, causal_mask, check_mask_shape, large_negative, split_mask
 
 Array = jax.Array
 _IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit", "blocked")
@@ -190,19 +190,16 @@ def dot_product_attention(
         )
 
     explicit = needs_weights or value.shape[-1] != depth or implementation == "explicit"
-    keep, bias = split_mask(mask)
+    keep, bias = split_mask(mask, "dot_product_attention")
     # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked blocks);
     # anything else is folded into the boolean mask.
     kernel_causal = is_causal and keep is None and length == key_length and not explicit
     if is_causal and not kernel_causal:
         causal = causal_mask(length, key_length)
         keep = causal if keep is None else jnp.logical_and(keep, causal)
-    row_valid = None
-    if keep is not None:
-        keep = jnp.reshape(keep, (1,) * (4 - keep.ndim) + keep.shape)
-        row_valid = jnp.any(keep, axis=-1, keepdims=True)  # [batch?, heads?, L, 1]
-    if bias is not None:
-        bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
+    keep, bias = as_4d(keep), as_4d(bias)
+    # [batch?, heads?, L, 1]
+    row_valid = None if keep is None else jnp.any(keep, axis=-1, keepdims=True)
 
     if explicit:
         out, weights = _explicit_attention(

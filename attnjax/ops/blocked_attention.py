@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from attnjax.ops.masks import as_4d, check_mask_shape, split_mask
 
 Array = jax.Array
 
@@ -356,10 +357,6 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _as_4d(mask):
-    return None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
-
-
 def blocked_dot_product_attention(
     query,
     key,
@@ -415,30 +412,10 @@ def blocked_dot_product_attention(
         )
     batch, length, heads, depth = query.shape
     key_length = key.shape[1]
-    keep, bias = None, None
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        target = (batch, heads, length, key_length)
-        try:
-            broadcast = np.broadcast_shapes(mask.shape, target)
-        except ValueError:
-            broadcast = None
-        if mask.ndim > 4 or broadcast != target:
-            raise ValueError(
-                f"blocked_dot_product_attention: mask of shape {mask.shape} does not "
-                f"broadcast to {target}"
-            )
-        if mask.dtype == jnp.bool_:
-            keep = _as_4d(mask)
-        elif jnp.issubdtype(mask.dtype, jnp.floating):
-            bias = _as_4d(mask)
-            keep = ~jnp.isneginf(bias)
-            bias = jnp.where(keep, bias, 0.0)
-        else:
-            raise ValueError(
-                f"blocked_dot_product_attention: mask must be boolean (True = attend) or "
-                f"floating (added), got {mask.dtype}"
-            )
+    where = "blocked_dot_product_attention"
+    check_mask_shape(mask, (batch, heads, length, key_length), where)
+    keep, bias = split_mask(mask, where)
+    keep, bias = as_4d(keep), as_4d(bias)
     query_block, key_block = min(query_block, length), min(key_block, key_length)
     # The scale goes into the query once instead of into every tile of scores and their gradients.
     query = query * jnp.asarray(1.0 / math.sqrt(depth) if scale is None else scale, query.dtype)

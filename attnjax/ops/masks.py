@@ -80,8 +80,9 @@ def combine_masks(*masks) -> Array | None:
     return functools.reduce(jnp.add, additive)
 
 
-def split_mask(mask):
-    """A user mask -> (boolean part or None, additive float part or None)."""
+def split_mask(mask, where: str):
+    """A user mask -> (boolean part or None, additive float part or None); ``where`` names the
+    caller in the error for a mask of another dtype."""
     if mask is None:
         return None, None
     mask = jnp.asarray(mask)
@@ -89,12 +90,18 @@ def split_mask(mask):
         return mask, None
     if not jnp.issubdtype(mask.dtype, jnp.floating):
         raise ValueError(
-            f"mask must be boolean (True = attend) or floating (added), got {mask.dtype}"
+            f"{where}: mask must be boolean (True = attend) or floating (added), got {mask.dtype}"
         )
     # -inf entries are masked keys: moving them to the boolean part keeps fully masked rows
     # detectable (and the softmax finite) on every path.
     keep = ~jnp.isneginf(mask)
     return keep, jnp.where(keep, mask, 0.0)
+
+
+def as_4d(mask):
+    """A mask part of rank <= 4 -> rank 4 ``[batch, heads, L, S]`` with leading singleton axes
+    added (``None`` stays ``None``)."""
+    return None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
 
 
 def large_negative(dtype):
