@@ -96,7 +96,6 @@ def choose_implementation(
 class _Blocks(NamedTuple):
     """Static configuration of one blocked call (hashable: a ``custom_vjp`` non-diff argument)."""
 
-    scale: float
     is_causal: bool
     query_block: int
     key_block: int
@@ -127,8 +126,6 @@ def _scores(q_tile, k_tile, keep, bias, block: _Blocks, query_start, key_start, 
     """Scaled scores of one tile and where they are allowed: (``[b, h, bq, bk]`` f32, bool or
     None for a tile that ``masked=False`` declares wholly allowed)."""
     scores = jnp.einsum("bhqd,bhkd->bhqk", q_tile, k_tile, preferred_element_type=jnp.float32)
-    if block.scale != 1.0:
-        scores = scores * jnp.float32(block.scale)
     if not masked:
         return scores, None
     tile_bias = _tile(bias, block, query_start, key_start)
@@ -291,8 +288,6 @@ def _backward(block: _Blocks, residuals, d_out):
                 tile = _reduce_to(d_scores, d_bias.shape)
                 current = jax.lax.dynamic_slice(d_bias, starts, tile.shape)
                 d_bias = jax.lax.dynamic_update_slice(d_bias, current + tile, starts)
-            if block.scale != 1.0:
-                d_scores = d_scores * jnp.float32(block.scale)
             dk_tile = dk_tile + jnp.einsum(
                 "bhqk,bhqd->bhkd", d_scores, q_tile, preferred_element_type=jnp.float32
             )
@@ -419,7 +414,7 @@ def blocked_dot_product_attention(
     query_block, key_block = min(query_block, length), min(key_block, key_length)
     # The scale goes into the query once instead of into every tile of scores and their gradients.
     query = query * jnp.asarray(1.0 / math.sqrt(depth) if scale is None else scale, query.dtype)
-    block = _Blocks(1.0, bool(is_causal), query_block, key_block, length, key_length)
+    block = _Blocks(bool(is_causal), query_block, key_block, length, key_length)
     padded_length = -(-length // query_block) * query_block
     padded_keys = -(-key_length // key_block) * key_block
 
