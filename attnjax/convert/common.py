@@ -368,10 +368,6 @@ def check_against_init(module, variables: dict, example, where: str) -> None:
         )
 
 
-def as_pair(value) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-
-
 def square_grid(tokens: int, prefix_tokens: int, where: str) -> tuple[int, int]:
     """The ``(side, side)`` patch grid of a position table of ``tokens`` rows."""
     side = math.isqrt(max(tokens - prefix_tokens, 0))
@@ -393,12 +389,13 @@ def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: 
     import jax
     import jax.numpy as jnp
 
+    from attnjax.models.patches import pair
     from attnjax.models.vit import create_vit, stack_block_params
     from attnjax.ops.positional import resize_position_embedding
 
-    patch = as_pair(config["patch_size"])
+    patch = pair(config["patch_size"], "patch_size", where)
     config = {**config, "image_size": (grid[0] * patch[0], grid[1] * patch[1]), **overrides}
-    size = as_pair(config["image_size"])
+    size = pair(config["image_size"], "image_size", where)
     if size[0] % patch[0] or size[1] % patch[1]:
         raise ValueError(f"{where}: image_size {size} is not divisible by patch_size {patch}")
     new_grid = (size[0] // patch[0], size[1] // patch[1])

@@ -25,7 +25,6 @@ import numpy as np
 from attnjax.convert.common import (
     TO_TORCH,
     apply_key_table,
-    as_pair,
     dense_to_linear,
     export_with_key_table,
     finish_vit,
@@ -280,9 +279,11 @@ def _check_exportable(model) -> None:
 
 def _image_size(model, params: dict) -> tuple[int, int]:
     """The model's image size, or the square grid its learned position table covers."""
-    patch = as_pair(model.patch_size)
+    from attnjax.models.patches import pair
+
+    patch = pair(model.patch_size, "patch_size", "vit_to_timm")
     if model.image_size is not None:
-        return as_pair(model.image_size)
+        return pair(model.image_size, "image_size", "vit_to_timm")
     tokens = params["pos_embed"]["pos_embedding"].shape[1]
     grid = tokens - int(model.class_token and not model.no_embed_class)
     side = math.isqrt(grid)
@@ -296,6 +297,7 @@ def _image_size(model, params: dict) -> tuple[int, int]:
 
 def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
     """attnjax ``ViT`` variables -> a timm ``VisionTransformer`` state dict (numpy float32)."""
+    from attnjax.models.patches import pair
     from attnjax.models.vit import unstack_block_params
 
     _check_exportable(model)
@@ -307,7 +309,7 @@ def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
         packed_qkv: qkv_to_packed,
         conv_patch_embedding: functools.partial(
             patch_embedding_to_conv,
-            patch_size=as_pair(model.patch_size),
+            patch_size=pair(model.patch_size, "patch_size", "vit_state_dict"),
             in_channels=model.in_channels,
         ),
     }
@@ -324,11 +326,13 @@ def vit_to_timm(model, variables):
     import torch
     from timm.models.vision_transformer import VisionTransformer
 
+    from attnjax.models.patches import pair
+
     state = vit_state_dict(model, variables)
     mlp_dim = state["blocks.0.mlp.fc1.weight"].shape[0]
     timm_model = VisionTransformer(
         img_size=_image_size(model, variables["params"]),
-        patch_size=as_pair(model.patch_size),
+        patch_size=pair(model.patch_size, "patch_size", "vit_to_timm"),
         in_chans=model.in_channels,
         num_classes=model.num_classes,
         global_pool={"cls": "token", "gap": "avg"}[model.pool],
