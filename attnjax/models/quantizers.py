@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnjax.models import vector_quantizer
+from attnjax.models.vector_quantizer import l2_norm
 
 Array = jax.Array
 
@@ -61,10 +62,6 @@ _FSQ_OPTIONS = ("fsq_levels",)
 _LFQ_OPTIONS = ("lfq_entropy_weight", "lfq_diversity", "lfq_temperature", "lfq_commitment_weight")
 
 
-def _norm(x: Array, eps: float = 1e-12) -> Array:
-    return jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
-
-
 def rotate_to_codes(z: Array, codes: Array) -> Array:
     """``z, codes [..., dim]`` -> ``codes`` in value, with gradient ``lambda R^T g`` into ``z``.
 
@@ -72,9 +69,9 @@ def rotate_to_codes(z: Array, codes: Array) -> Array:
     is applied as vector products, never materialised; ``R`` and ``lambda`` are constants of the
     backward pass."""
     z_const, codes_const = jax.lax.stop_gradient(z), jax.lax.stop_gradient(codes)
-    z_norm, codes_norm = _norm(z_const), _norm(codes_const)
+    z_norm, codes_norm = l2_norm(z_const), l2_norm(codes_const)
     e, q = z_const / z_norm, codes_const / codes_norm
-    r = (e + q) / _norm(e + q)
+    r = (e + q) / l2_norm(e + q)
     dot = lambda a, b: jnp.sum(a * b, axis=-1, keepdims=True)
     rotated = z - 2.0 * r * dot(r, z) + 2.0 * q * dot(e, z)
     return (codes_norm / z_norm) * rotated
