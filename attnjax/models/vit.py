@@ -77,8 +77,9 @@ def _layer_norm(module: nn.Module, name: str) -> nn.LayerNorm:
     )
 
 
-class MlpBlock(nn.Module):
-    """``fc1 -> GELU (exact, erf) -> dropout -> fc2 -> dropout``, ``[..., width]`` -> same shape."""
+class ViTMlp(nn.Module):
+    """timm's ``Mlp``: ``fc1 (mlp_dim) -> GELU (exact, erf) -> dropout -> fc2 -> dropout``,
+    ``[..., width]`` -> same shape."""
 
     mlp_dim: int
     dropout_rate: float = 0.0
@@ -146,7 +147,7 @@ class EncoderBlock(nn.Module):
         y = nn.Dropout(self.dropout_rate)(y, deterministic=self.deterministic)
         x = x + self._drop_path(y, drop_path_rate)
         y = _layer_norm(self, "norm2")(x)
-        y = MlpBlock(
+        y = ViTMlp(
             self.mlp_dim,
             self.dropout_rate,
             self.deterministic,
