@@ -105,7 +105,8 @@ def linear(state: StateDict, prefix: str) -> dict:
 
 
 def conv2d(state: StateDict, prefix: str) -> dict:
-    """``nn.Conv2d`` at ``prefix`` -> ``nn.Conv`` params: kernel [kh, kw, in, out], optional bias."""
+    """``nn.Conv2d`` at ``prefix`` -> ``nn.Conv`` params: kernel [kh, kw, in, out], optional
+    bias."""
     params = {"kernel": take(state, prefix, "weight").transpose(2, 3, 1, 0)}
     bias = take(state, prefix, "bias", required=False)
     if bias is not None:
@@ -122,7 +123,8 @@ group_norm = layer_norm
 
 
 def batch_norm(state: StateDict, prefix: str) -> tuple[dict, dict]:
-    """``nn.BatchNorm2d`` at ``prefix`` -> (params ``scale``/``bias``, batch_stats ``mean``/``var``)."""
+    """``nn.BatchNorm2d`` at ``prefix`` -> (params ``scale``/``bias``, batch_stats
+    ``mean``/``var``)."""
     params = {"scale": take(state, prefix, "weight"), "bias": take(state, prefix, "bias")}
     stats = {"mean": take(state, prefix, "running_mean"), "var": take(state, prefix, "running_var")}
     return params, stats
@@ -364,7 +366,8 @@ def check_against_init(module, variables: dict, example, where: str) -> None:
     if missing or unexpected or wrong:
         raise ValueError(
             f"{where}: the state dict does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}, wrong shapes {[(k, got[k], expected[k]) for k in wrong[:5]]}"
+            f"unexpected {unexpected[:5]}, "
+            f"wrong shapes {[(k, got[k], expected[k]) for k in wrong[:5]]}"
         )
 
 

@@ -96,7 +96,8 @@ def load_google_npz(path, **overrides):
         )
         if prefix is None:
             raise ValueError(
-                f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; not a Google ViT checkpoint"
+                f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; "
+                "not a Google ViT checkpoint"
             )
         # Arrays outside the prefix are the rest of a training state (the optimizer's "opt/state/").
         arrays = {key: archive[key] for key in stored if key.startswith(prefix)}
