@@ -189,7 +189,8 @@ def sequence_logits(model: GPT, params, codes, prefix, *, deterministic=True, rn
 
 
 def cross_entropy(logits, codes) -> Array:
-    """Mean negative log-likelihood in nats per token: ``[batch, n, vocab]``, ``[batch, n]`` -> scalar."""
+    """Mean negative log-likelihood in nats per token: ``[batch, n, vocab]``, ``[batch, n]`` ->
+    scalar."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(log_probs, codes[..., None].astype(jnp.int32), axis=-1)
     return -jnp.mean(picked)

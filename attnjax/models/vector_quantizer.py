@@ -122,7 +122,8 @@ class VectorQuantizer(nn.Module):
     def __call__(self, z: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
         if z.shape[-1] != self.embed_dim:
             raise ValueError(
-                f"VectorQuantizer: z must end in embed_dim={self.embed_dim} channels, got shape {z.shape}"
+                f"VectorQuantizer: z must end in embed_dim={self.embed_dim} channels, "
+                f"got shape {z.shape}"
             )
         if self.lookup_dim is not None:
             z = self.in_proj(z)

@@ -71,7 +71,8 @@ _VARIANT_PATTERN = re.compile(r"^(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 
 
 def _layer_norm(module: nn.Module, name: str) -> nn.LayerNorm:
-    """A LayerNorm with ``module``'s epsilon and dtypes (``EncoderBlock`` and ``ViT`` share them)."""
+    """A LayerNorm with ``module``'s epsilon and dtypes (``EncoderBlock`` and ``ViT`` share
+    them)."""
     return nn.LayerNorm(
         epsilon=module.layer_norm_eps, dtype=module.dtype, param_dtype=module.param_dtype, name=name
     )
