@@ -225,7 +225,8 @@ def dot_product_attention(
 def _fold_leading(x, leading: tuple):
     """``[..., A, B]`` broadcastable to ``leading + (A, B)`` -> ``[batch, heads, A, B]``: the last
     leading dim plays the heads, the others are flattened into the batch. Singleton dims stay
-    singletons (``[1, 1, A, B]`` for an ``[A, B]`` mask), so nothing is copied per batch and head."""
+    singletons (``[1, 1, A, B]`` for an ``[A, B]`` mask), so nothing is copied per batch and
+    head."""
     x = x.reshape((1,) * (len(leading) + 2 - x.ndim) + x.shape)
     heads = x.shape[-3] if leading else 1
     if all(d == 1 for d in x.shape[:-3]):

@@ -130,7 +130,8 @@ def _cores_left_idle() -> bool:
 def conv_with_product_kernel_grad(
     lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None
 ) -> Array:
-    """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix products."""
+    """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix
+    products."""
     return lax.conv_general_dilated(
         lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision
     )

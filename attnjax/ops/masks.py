@@ -17,11 +17,13 @@ Array = jax.Array
 
 
 def causal_mask(query_length: int, key_length: int | None = None) -> Array:
-    """Top-left aligned causal mask ``tril(ones(L, S))`` (PyTorch's ``is_causal``): bool ``[L, S]``."""
+    """Top-left aligned causal mask ``tril(ones(L, S))`` (PyTorch's ``is_causal``): bool
+    ``[L, S]``."""
     key_length = query_length if key_length is None else key_length
     if query_length < 1 or key_length < 1:
         raise ValueError(
-            f"causal_mask: query_length and key_length must be >= 1, got {query_length}, {key_length}"
+            "causal_mask: query_length and key_length must be >= 1, "
+            f"got {query_length}, {key_length}"
         )
     return jnp.tril(jnp.ones((query_length, key_length), dtype=bool))
 
@@ -40,9 +42,11 @@ def padding_mask(lengths, max_length: int) -> Array:
 
 
 def make_attention_mask(query_valid, key_valid) -> Array:
-    """Pairwise mask from per-token validity: ``[batch, L]``, ``[batch, S]`` -> bool ``[batch, 1, L, S]``.
+    """Pairwise mask from per-token validity: ``[batch, L]``, ``[batch, S]`` -> bool
+    ``[batch, 1, L, S]``.
 
-    A query may attend to a key when both are real tokens; the singleton axis broadcasts over heads.
+    A query may attend to a key when both are real tokens; the singleton axis broadcasts over
+    heads.
     """
     query_valid = jnp.asarray(query_valid, dtype=bool)
     key_valid = jnp.asarray(key_valid, dtype=bool)
