@@ -105,7 +105,8 @@ def linear(state: StateDict, prefix: str) -> dict:
 
 
 def conv2d(state: StateDict, prefix: str) -> dict:
-    """``nn.Conv2d`` at ``prefix`` -> ``nn.Conv`` params: kernel [kh, kw, in, out], optional bias."""
+    """``nn.Conv2d`` at ``prefix`` -> ``nn.Conv`` params: kernel [kh, kw, in, out], optional
+    bias."""
     params = {"kernel": take(state, prefix, "weight").transpose(2, 3, 1, 0)}
     bias = take(state, prefix, "bias", required=False)
     if bias is not None:
@@ -122,7 +123,8 @@ group_norm = layer_norm
 
 
 def batch_norm(state: StateDict, prefix: str) -> tuple[dict, dict]:
-    """``nn.BatchNorm2d`` at ``prefix`` -> (params ``scale``/``bias``, batch_stats ``mean``/``var``)."""
+    """``nn.BatchNorm2d`` at ``prefix`` -> (params ``scale``/``bias``, batch_stats
+    ``mean``/``var``)."""
     params = {"scale": take(state, prefix, "weight"), "bias": take(state, prefix, "bias")}
     stats = {"mean": take(state, prefix, "running_mean"), "var": take(state, prefix, "running_var")}
     return params, stats
@@ -364,12 +366,9 @@ def check_against_init(module, variables: dict, example, where: str) -> None:
     if missing or unexpected or wrong:
         raise ValueError(
             f"{where}: the state dict does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}, wrong shapes {[(k, got[k], expected[k]) for k in wrong[:5]]}"
+            f"unexpected {unexpected[:5]}, "
+            f"wrong shapes {[(k, got[k], expected[k]) for k in wrong[:5]]}"
         )
-
-
-def as_pair(value) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def square_grid(tokens: int, prefix_tokens: int, where: str) -> tuple[int, int]:
@@ -393,12 +392,13 @@ def finish_vit(config: dict, overrides: dict, params: dict, grid: tuple, where: 
     import jax
     import jax.numpy as jnp
 
+    from attnjax.models.patches import pair
     from attnjax.models.vit import create_vit, stack_block_params
     from attnjax.ops.positional import resize_position_embedding
 
-    patch = as_pair(config["patch_size"])
+    patch = pair(config["patch_size"], "patch_size", where)
     config = {**config, "image_size": (grid[0] * patch[0], grid[1] * patch[1]), **overrides}
-    size = as_pair(config["image_size"])
+    size = pair(config["image_size"], "image_size", where)
     if size[0] % patch[0] or size[1] % patch[1]:
         raise ValueError(f"{where}: image_size {size} is not divisible by patch_size {patch}")
     new_grid = (size[0] // patch[0], size[1] // patch[1])

@@ -7,7 +7,8 @@ execution order: ``(layer, max_abs, max_rel, ok)``, ``max_rel = max|ours - their
 The first row that is not ``ok`` is where the two first disagree.
 
 Supported: timm ``VisionTransformer`` / attnjax ``ViT``; taming ``VQModel`` parts / ``VQGAN``;
-taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family / ``attnjax.models.transformer``.
+taming ``mingpt.GPT`` / ``prior.GPT``; torch's ``nn.Transformer`` family /
+``attnjax.models.transformer``.
 
     python -m attnjax.convert.compare --model timm:vit_tiny_patch16_224
     python -m attnjax.convert.compare --model taming-gpt --checkpoint gpt.safetensors --n-head 8
@@ -127,7 +128,8 @@ def _pairing(flax_module) -> _Pairing:
         }
 
         def layout(array: np.ndarray, name: str) -> np.ndarray:
-            # inside the Flax module every layer is batch-first; only its own output follows the input
+            # inside the Flax module every layer is batch-first; only its own output follows the
+            # input
             return array if flax_module.batch_first or not name else np.swapaxes(array, 0, 1)
 
         return _Pairing(_renamer(renames), _as_tensor, layout)
@@ -138,7 +140,8 @@ def _pairing(flax_module) -> _Pairing:
 
 
 def _first_array(output):
-    """A module's output -> its first array (torch: ``MultiheadAttention`` returns ``(out, weights)``)."""
+    """A module's output -> its first array (torch: ``MultiheadAttention`` returns
+    ``(out, weights)``)."""
     while isinstance(output, (tuple, list)):
         if not output:
             return None
@@ -267,7 +270,8 @@ def format_report(rows: list[Row], tolerance: float) -> str:
         lines.append(f"all {len(rows)} layers within max_rel {tolerance:g}")
     else:
         lines.append(
-            f"first layer beyond max_rel {tolerance:g}: {failure.layer} (max_rel {failure.max_rel:.3e})"
+            f"first layer beyond max_rel {tolerance:g}: {failure.layer} "
+            f"(max_rel {failure.max_rel:.3e})"
         )
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ import pathlib
 
 import numpy as np
 
-from attnjax.convert.common import as_pair, finish_vit, square_grid
+from attnjax.convert.common import finish_vit, square_grid
 
 # The two layouts:
 #   vision_transformer (github.com/google-research/vision_transformer: the published ImageNet files)
@@ -96,7 +96,8 @@ def load_google_npz(path, **overrides):
         )
         if prefix is None:
             raise ValueError(
-                f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; not a Google ViT checkpoint"
+                f"load_google_npz: {str(path)!r} has no 'embedding/kernel'; "
+                "not a Google ViT checkpoint"
             )
         # Arrays outside the prefix are the rest of a training state (the optimizer's "opt/state/").
         arrays = {key: archive[key] for key in stored if key.startswith(prefix)}
@@ -191,6 +192,7 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
     scanned (one ``Transformer/encoderblock`` with a leading ``[depth]`` axis) when the model uses
     ``scan_layers``. Either needs learned position embeddings and no ``fc_norm``.
     """
+    from attnjax.models.patches import pair
     from attnjax.models.vit import unstack_block_params
 
     if layout not in _NPZ_LAYOUTS:
@@ -212,7 +214,7 @@ def save_google_npz(path, model, variables, layout: str = "vision_transformer") 
         )
     names, heads = _NPZ_LAYOUTS[layout], model.num_heads
     params = _map_leaves(np.asarray, dict(variables["params"]))
-    ph, pw = as_pair(model.patch_size)
+    ph, pw = pair(model.patch_size, "patch_size", "save_google_npz")
     posemb_key = "pos_embedding" if big_vision else "Transformer/posembed_input/pos_embedding"
     out = {
         "embedding/kernel": params["patch_embed"]["kernel"].reshape(ph, pw, model.in_channels, -1),

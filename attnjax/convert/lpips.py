@@ -61,7 +61,8 @@ def lpips_from_torch(vgg_state_dict, linear_state_dict=None):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m attnjax.convert.lpips",
-        description="Convert VGG16 + LPIPS linear weights into the .npz that attnjax.models.lpips.load_variables reads.",
+        description="Convert VGG16 + LPIPS linear weights into the .npz that "
+        "attnjax.models.lpips.load_variables reads.",
     )
     parser.add_argument("vgg", help="torchvision vgg16 weights (.pth, .pt or .safetensors)")
     parser.add_argument(

@@ -36,7 +36,8 @@ from attnjax.models import discriminator
 
 
 def actnorm(state, prefix: str) -> dict:
-    """taming ``ActNorm`` at ``prefix``: ``loc``, ``scale`` [1, C, 1, 1] -> ``loc``, ``scale`` [C]."""
+    """taming ``ActNorm`` at ``prefix``: ``loc``, ``scale`` [1, C, 1, 1] -> ``loc``,
+    ``scale`` [C]."""
     return {
         "loc": take(state, prefix, "loc").reshape(-1),
         "scale": take(state, prefix, "scale").reshape(-1),
@@ -113,8 +114,9 @@ def vqgan_from_taming(state_dict, ddconfig, n_embed: int, embed_dim: int, **vqga
     ddconfig = dict(ddconfig)
     if ddconfig.get("double_z", True):
         raise ValueError(
-            "vqgan_from_taming: ddconfig['double_z'] must be False (taming's VQModel quant_conv reads "
-            f"z_channels channels), got {ddconfig.get('double_z', 'unset (taming default True)')}"
+            "vqgan_from_taming: ddconfig['double_z'] must be False (taming's VQModel quant_conv "
+            "reads z_channels channels), got "
+            f"{ddconfig.get('double_z', 'unset (taming default True)')}"
         )
     state = load_state_dict(state_dict)
     state = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state.items()}

@@ -1,6 +1,6 @@
-"""PyTorch Vision Transformers <-> ``attnjax.models.vit.ViT``: timm's ``VisionTransformer`` both ways,
-and the reference PyTorch ViT layout (``torch.nn.MultiheadAttention`` blocks, Linear patch
-embedding) that ``tests/test_vit.py`` defines and checks against.
+"""PyTorch Vision Transformers <-> ``attnjax.models.vit.ViT``: timm's ``VisionTransformer`` both
+ways, and the reference PyTorch ViT layout (``torch.nn.MultiheadAttention`` blocks, Linear patch
+embedding) that ``tests/models/test_vit.py`` defines and checks against.
 
 The export (``vit_state_dict``, ``vit_to_timm``) reads ``TIMM_VIT_TABLE`` backwards, so one table
 names every mapping in both directions:
@@ -25,7 +25,6 @@ import numpy as np
 from attnjax.convert.common import (
     TO_TORCH,
     apply_key_table,
-    as_pair,
     dense_to_linear,
     export_with_key_table,
     finish_vit,
@@ -39,7 +38,8 @@ from attnjax.convert.common import (
 
 
 def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -> dict:
-    """Packed ``[3 * width, width]`` q|k|v (timm ``qkv``, torch ``in_proj``) -> three Dense dicts."""
+    """Packed ``[3 * width, width]`` q|k|v (timm ``qkv``, torch ``in_proj``) -> three Dense
+    dicts."""
     packed = take(state, prefix, weight)
     packed_bias = take(state, prefix, bias, required=False)
     if packed_bias is None:
@@ -60,7 +60,8 @@ def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -
 
 
 def conv_patch_embedding(state, prefix: str) -> dict:
-    """Conv2d ``[width, C, ph, pw]`` -> ``patch_embed`` Dense on ``(row, col, C)``-flattened patches."""
+    """Conv2d ``[width, C, ph, pw]`` -> ``patch_embed`` Dense on ``(row, col, C)``-flattened
+    patches."""
     weight = take(state, prefix, "weight")
     width, channels, ph, pw = weight.shape
     return {
@@ -114,7 +115,8 @@ def _timm_module_config(model) -> dict:
     pool = {"token": "cls", "avg": "gap"}.get(model.global_pool)
     if pool is None:
         raise ValueError(
-            f"vit_from_timm: global_pool={model.global_pool!r} unsupported; expected 'token' or 'avg'"
+            f"vit_from_timm: global_pool={model.global_pool!r} unsupported; "
+            "expected 'token' or 'avg'"
         )
     act = model.blocks[0].mlp.act
     if type(act).__name__ != "GELU" or getattr(act, "approximate", "none") != "none":
@@ -139,8 +141,8 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
     layer on flattened patches.
 
     From a module, heads, pooling, LayerNorm eps and image size are read from it. From a state dict
-    (``torch.save`` or ``.safetensors`` file, loaded without unpickling code) the sizes come from the
-    tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when ``fc_norm``
+    (``torch.save`` or ``.safetensors`` file, loaded without unpickling code) the sizes come from
+    the tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when ``fc_norm``
     weights exist, and the grid is square. ``overrides`` are further ``ViT`` fields
     (``scan_layers``, ``remat``, ``dtype``, dropouts, a new ``image_size``...). Parts attnjax's ViT
     does not have (register tokens, LayerScale, qk-norm, pre-norm, attention pooling) leave keys
@@ -250,13 +252,15 @@ def vit_from_torch_reference(
 
 
 def qkv_to_packed(attn: dict) -> dict:
-    """``query``/``key``/``value`` Dense params -> one packed Linear ``[3 * width, width]`` (+ bias)."""
+    """``query``/``key``/``value`` Dense params -> one packed Linear ``[3 * width, width]``
+    (+ bias)."""
     parts = [dense_to_linear(attn[name]) for name in ("query", "key", "value")]
     return {leaf: np.concatenate([part[leaf] for part in parts]) for leaf in ("weight", "bias")}
 
 
 def patch_embedding_to_conv(params: dict, patch_size: tuple, in_channels: int) -> dict:
-    """``patch_embed`` Dense on ``(row, col, C)``-flattened patches -> Conv2d ``[width, C, ph, pw]``."""
+    """``patch_embed`` Dense on ``(row, col, C)``-flattened patches -> Conv2d
+    ``[width, C, ph, pw]``."""
     kernel = np.asarray(params["kernel"], np.float32)
     image_kernel = kernel.reshape(*patch_size, in_channels, kernel.shape[1])
     return {
@@ -280,9 +284,11 @@ def _check_exportable(model) -> None:
 
 def _image_size(model, params: dict) -> tuple[int, int]:
     """The model's image size, or the square grid its learned position table covers."""
-    patch = as_pair(model.patch_size)
+    from attnjax.models.patches import pair
+
+    patch = pair(model.patch_size, "patch_size", "vit_to_timm")
     if model.image_size is not None:
-        return as_pair(model.image_size)
+        return pair(model.image_size, "image_size", "vit_to_timm")
     tokens = params["pos_embed"]["pos_embedding"].shape[1]
     grid = tokens - int(model.class_token and not model.no_embed_class)
     side = math.isqrt(grid)
@@ -296,6 +302,7 @@ def _image_size(model, params: dict) -> tuple[int, int]:
 
 def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
     """attnjax ``ViT`` variables -> a timm ``VisionTransformer`` state dict (numpy float32)."""
+    from attnjax.models.patches import pair
     from attnjax.models.vit import unstack_block_params
 
     _check_exportable(model)
@@ -307,7 +314,7 @@ def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
         packed_qkv: qkv_to_packed,
         conv_patch_embedding: functools.partial(
             patch_embedding_to_conv,
-            patch_size=as_pair(model.patch_size),
+            patch_size=pair(model.patch_size, "patch_size", "vit_state_dict"),
             in_channels=model.in_channels,
         ),
     }
@@ -315,7 +322,7 @@ def vit_state_dict(model, variables) -> dict[str, np.ndarray]:
 
 
 def vit_to_timm(model, variables):
-    """attnjax ``ViT`` + variables -> a timm ``VisionTransformer`` in eval mode with the weights loaded.
+    """attnjax ``ViT`` + variables -> a timm ``VisionTransformer`` in eval mode, weights loaded.
 
     ``timm_model(images_nchw)`` equals ``model.apply(variables, images_nhwc)``. The position table
     fixes timm's ``img_size`` when the model's ``image_size`` is None (square grid). timm imports
@@ -324,11 +331,13 @@ def vit_to_timm(model, variables):
     import torch
     from timm.models.vision_transformer import VisionTransformer
 
+    from attnjax.models.patches import pair
+
     state = vit_state_dict(model, variables)
     mlp_dim = state["blocks.0.mlp.fc1.weight"].shape[0]
     timm_model = VisionTransformer(
         img_size=_image_size(model, variables["params"]),
-        patch_size=as_pair(model.patch_size),
+        patch_size=pair(model.patch_size, "patch_size", "vit_to_timm"),
         in_chans=model.in_channels,
         num_classes=model.num_classes,
         global_pool={"cls": "token", "gap": "avg"}[model.pool],

@@ -46,7 +46,8 @@ def attention(state: StateDict, prefix: str) -> dict:
 
 
 def mha_from_torch(module):
-    """``torch.nn.MultiheadAttention`` -> ``(attnjax.models.multihead.MultiHeadAttention, variables)``.
+    """``torch.nn.MultiheadAttention`` -> ``(MultiHeadAttention, variables)``, the module from
+    ``attnjax.models.multihead``.
 
     Handles the packed ``in_proj_weight`` [3E, E] (split into query/key/value) and the separate
     ``q/k/v_proj_weight`` a module with ``kdim``/``vdim != embed_dim`` has, with or without bias.
@@ -58,8 +59,8 @@ def mha_from_torch(module):
 
     if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
         raise NotImplementedError(
-            "mha_from_torch: add_bias_kv=True / add_zero_attn=True append extra key/value positions "
-            "that attnjax.models.multihead.MultiHeadAttention does not model"
+            "mha_from_torch: add_bias_kv=True / add_zero_attn=True append extra key/value "
+            "positions that attnjax.models.multihead.MultiHeadAttention does not model"
         )
     state = load_state_dict(module)
     params = attention(state, "")
@@ -72,7 +73,8 @@ def mha_from_torch(module):
 
 
 def mha_mask_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int):
-    """PyTorch ``MultiheadAttention`` masks -> one attnjax mask, broadcastable to ``[batch, heads, L, S]``.
+    """PyTorch ``MultiheadAttention`` masks -> one attnjax mask, broadcastable to
+    ``[batch, heads, L, S]``.
 
     PyTorch: ``attn_mask`` ``[L, S]`` or ``[batch * heads, L, S]``, ``key_padding_mask``
     ``[batch, S]``; boolean True means "masked out", float masks are added. attnjax: boolean True
@@ -93,14 +95,16 @@ def mha_mask_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int
             attn_mask = attn_mask.reshape(-1, num_heads, *attn_mask.shape[1:])
         elif attn_mask.ndim != 2:
             raise ValueError(
-                f"mha_mask_from_torch: attn_mask must be [L, S] or [batch * heads, L, S], got {attn_mask.shape}"
+                "mha_mask_from_torch: attn_mask must be [L, S] or [batch * heads, L, S], "
+                f"got {attn_mask.shape}"
             )
         masks.append(~attn_mask if attn_mask.dtype == bool else attn_mask)
     if key_padding_mask is not None:
         key_padding_mask = to_numpy(key_padding_mask)
         if key_padding_mask.ndim != 2:
             raise ValueError(
-                f"mha_mask_from_torch: key_padding_mask must be [batch, S], got {key_padding_mask.shape}"
+                "mha_mask_from_torch: key_padding_mask must be [batch, S], "
+                f"got {key_padding_mask.shape}"
             )
         padding = key_padding_mask[:, None, None, :]
         masks.append(~padding if padding.dtype == bool else padding)
@@ -108,7 +112,8 @@ def mha_mask_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int
 
 
 def _layer_norm(state: StateDict, prefix: str) -> dict:
-    """``nn.LayerNorm`` with or without bias (torch's ``bias=False``) -> Flax ``scale``[, ``bias``]."""
+    """``nn.LayerNorm`` with or without bias (torch's ``bias=False``) -> Flax
+    ``scale``[, ``bias``]."""
     params = {"scale": take(state, prefix, "weight")}
     bias = take(state, prefix, "bias", required=False)
     if bias is not None:
@@ -197,8 +202,9 @@ def _stack_settings(stack, where: str) -> tuple[dict, int, bool]:
 
 
 def transformer_from_torch(module):
-    """Any of torch's ``TransformerEncoderLayer``, ``TransformerDecoderLayer``, ``TransformerEncoder``,
-    ``TransformerDecoder``, ``Transformer`` -> ``(attnjax.models.transformer module, {"params": ...})``.
+    """Any of torch's ``TransformerEncoderLayer``, ``TransformerDecoderLayer``,
+    ``TransformerEncoder``, ``TransformerDecoder``, ``Transformer`` ->
+    ``(attnjax.models.transformer module, {"params": ...})``.
 
     The Flax module's ``batch_first`` records the torch module's: with ``batch_first=False`` it
     takes and returns torch's ``[length, batch, d_model]`` arrays. Masks translate with
@@ -256,7 +262,8 @@ def transformer_masks_from_torch(
     is_causal: bool = False,
     num_heads: int | None = None,
 ):
-    """torch's ``src_mask``/``tgt_mask``/``memory_mask`` plus ``*_key_padding_mask`` -> one attnjax mask.
+    """torch's ``src_mask``/``tgt_mask``/``memory_mask`` plus ``*_key_padding_mask`` -> one
+    attnjax mask.
 
     torch: ``mask`` ``[L, S]`` or ``[batch * heads, L, S]`` (the latter needs ``num_heads``),
     ``key_padding_mask`` ``[batch, S]``; boolean True means "may NOT attend", float masks are
@@ -274,8 +281,9 @@ def transformer_masks_from_torch(
     if is_causal and mask is None:
         if key_padding_mask is None:
             raise ValueError(
-                "transformer_masks_from_torch: is_causal=True without a mask needs key_padding_mask "
-                "to know the length (or pass is_causal to the attnjax module instead)"
+                "transformer_masks_from_torch: is_causal=True without a mask needs "
+                "key_padding_mask to know the length (or pass is_causal to the attnjax module "
+                "instead)"
             )
         mask = ~np.asarray(causal_mask(np.shape(key_padding_mask)[1]))
     return mha_mask_from_torch(mask, key_padding_mask, num_heads=num_heads or 1)

@@ -45,8 +45,9 @@ _INIT = nn.initializers.normal(stddev=0.02)  # minGPT's init for Linear and Embe
 _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 
 
-class MlpBlock(nn.Module):
-    """``[batch, length, n_embd] -> [batch, length, n_embd]``: fc1 (x4), exact GELU, fc2, dropout."""
+class GPTMlp(nn.Module):
+    """minGPT's MLP, ``[batch, length, n_embd] -> [batch, length, n_embd]``: fc1 (4 x n_embd),
+    exact GELU, fc2, dropout."""
 
     resid_pdrop: float = 0.0
 
@@ -79,7 +80,7 @@ class Block(nn.Module):
         )(y, is_causal=True, deterministic=deterministic)
         x = x + nn.Dropout(self.resid_pdrop)(y, deterministic=deterministic)
         y = nn.LayerNorm(epsilon=_LN_EPS, name="ln2")(x)
-        return x + MlpBlock(self.resid_pdrop, name="mlp")(y, deterministic=deterministic)
+        return x + GPTMlp(self.resid_pdrop, name="mlp")(y, deterministic=deterministic)
 
 
 class GPT(nn.Module):
@@ -188,7 +189,8 @@ def sequence_logits(model: GPT, params, codes, prefix, *, deterministic=True, rn
 
 
 def cross_entropy(logits, codes) -> Array:
-    """Mean negative log-likelihood in nats per token: ``[batch, n, vocab]``, ``[batch, n]`` -> scalar."""
+    """Mean negative log-likelihood in nats per token: ``[batch, n, vocab]``, ``[batch, n]`` ->
+    scalar."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(log_probs, codes[..., None].astype(jnp.int32), axis=-1)
     return -jnp.mean(picked)

@@ -91,8 +91,8 @@ class LPIPS(nn.Module):
     def __call__(self, input: Array, target: Array) -> Array:
         if input.shape != target.shape or input.ndim != 4 or input.shape[-1] != 3:
             raise ValueError(
-                f"LPIPS: input and target must both be [batch, height, width, 3], got {input.shape} "
-                f"and {target.shape}"
+                "LPIPS: input and target must both be [batch, height, width, 3], "
+                f"got {input.shape} and {target.shape}"
             )
         if min(input.shape[1:3]) < 16:
             raise ValueError(
@@ -123,7 +123,8 @@ def load_variables(path) -> dict:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"LPIPS weights: no file {path!r} (convert them once with python -m attnjax.convert.lpips)"
+            f"LPIPS weights: no file {path!r} "
+            "(convert them once with python -m attnjax.convert.lpips)"
         )
     with np.load(path, allow_pickle=False) as arrays:
         flat = {key: arrays[key] for key in arrays.files}

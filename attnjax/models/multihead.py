@@ -70,7 +70,8 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool = True,
         return_weights: bool = False,
     ):
-        """Attend from ``inputs_q`` ``[batch, L, features]`` to ``inputs_k``/``inputs_v`` ``[batch, S, *]``.
+        """Attend from ``inputs_q`` ``[batch, L, features]`` to ``inputs_k``/``inputs_v``
+        ``[batch, S, *]``.
 
         Args:
           inputs_q: queries ``[batch, L, q_features]``.
@@ -102,7 +103,8 @@ class MultiHeadAttention(nn.Module):
         if inputs_k.shape[:2] != inputs_v.shape[:2] or inputs_q.shape[0] != inputs_k.shape[0]:
             raise ValueError(
                 "MultiHeadAttention: batch/length mismatch: inputs_q shape "
-                f"{inputs_q.shape}, inputs_k shape {inputs_k.shape}, inputs_v shape {inputs_v.shape}"
+                f"{inputs_q.shape}, inputs_k shape {inputs_k.shape}, "
+                f"inputs_v shape {inputs_v.shape}"
             )
         features = inputs_q.shape[-1]
         if self.head_dim is None and features % self.num_heads:
@@ -149,7 +151,8 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if return_weights else out
 
     def _update_cache(self, key, value, mask, is_causal):
-        """Write ``key``/``value`` ``[batch, T, heads, dim]`` into the cache; attend to the cache."""
+        """Write ``key``/``value`` ``[batch, T, heads, dim]`` into the cache; attend to the
+        cache."""
         initialized = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -160,8 +163,8 @@ class MultiHeadAttention(nn.Module):
         chunk = key.shape[1]
         if key.shape[0] != batch or chunk > max_length:
             raise ValueError(
-                f"MultiHeadAttention(decode=True): chunk of keys {key.shape} does not fit the cache "
-                f"{cached_key.value.shape} (batch must match, length <= max_length)"
+                f"MultiHeadAttention(decode=True): chunk of keys {key.shape} does not fit the "
+                f"cache {cached_key.value.shape} (batch must match, length <= max_length)"
             )
         index = cache_index.value
         cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))

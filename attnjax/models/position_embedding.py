@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 
 class LearnedPositionEmbedding(nn.Module):
-    """Adds a learned embedding ``pos_embedding [1, length, dim]`` to ``inputs [batch, length, dim]``.
+    """Adds a learned embedding ``pos_embedding [1, length, dim]`` to
+    ``inputs [batch, length, dim]``.
 
     The parameter's shape is taken from the inputs at ``init``; later inputs must match it (use
     ``resize_position_embedding`` on the parameter to change a ViT's grid).
@@ -22,7 +23,8 @@ class LearnedPositionEmbedding(nn.Module):
     def __call__(self, inputs):
         if jnp.ndim(inputs) != 3:
             raise ValueError(
-                f"LearnedPositionEmbedding: inputs must be [batch, length, dim], got {jnp.shape(inputs)}"
+                "LearnedPositionEmbedding: inputs must be [batch, length, dim], "
+                f"got {jnp.shape(inputs)}"
             )
         shape = (1,) + tuple(inputs.shape[1:])
         if self.has_variable("params", "pos_embedding"):

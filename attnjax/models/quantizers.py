@@ -1,14 +1,16 @@
 """Tokenizers beyond taming's lookup: FSQ, LFQ, SimVQ and the rotation trick.
 
-Every quantizer here has ``vector_quantizer.VectorQuantizer``'s interface, so ``VQGAN``, its loss, the codes
-cache, the prior (vocabulary = ``n_embed``) and sampling run on any of them:
+Every quantizer here has ``vector_quantizer.VectorQuantizer``'s interface, so ``VQGAN``, its loss,
+the codes cache, the prior (vocabulary = ``n_embed``) and sampling run on any of them:
 
     ``__call__(z [b, h, w, embed_dim], train)`` -> ``(quantized [b, h, w, embed_dim],
     indices int32 [b, h, w], aux)``, ``aux``: ``loss``, ``latents [b*h*w, dim]``, ``perplexity``,
-    ``codebook_usage``; ``lookup(indices [...]) -> [..., embed_dim]``; ``codebook() -> [n_embed, dim]``.
+    ``codebook_usage``; ``lookup(indices [...]) -> [..., embed_dim]``;
+    ``codebook() -> [n_embed, dim]``.
 
 Kinds (``make_quantizer(kind=...)``):
-  ``"vq"``: ``vector_quantizer.VectorQuantizer`` (all its options), optionally with the rotation trick.
+  ``"vq"``: ``vector_quantizer.VectorQuantizer`` (all its options), optionally with the rotation
+    trick.
   ``"fsq"``: finite scalar quantisation (Mentzer et al. 2023). ``z`` is projected to
     ``len(levels)`` dimensions, each bounded by a shifted tanh and rounded to ``levels[i]``
     values with a straight-through gradient; the codebook is the product grid
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnjax.models import vector_quantizer
+from attnjax.models.vector_quantizer import l2_norm
 
 Array = jax.Array
 
@@ -61,20 +64,16 @@ _FSQ_OPTIONS = ("fsq_levels",)
 _LFQ_OPTIONS = ("lfq_entropy_weight", "lfq_diversity", "lfq_temperature", "lfq_commitment_weight")
 
 
-def _norm(x: Array, eps: float = 1e-12) -> Array:
-    return jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
-
-
 def rotate_to_codes(z: Array, codes: Array) -> Array:
     """``z, codes [..., dim]`` -> ``codes`` in value, with gradient ``lambda R^T g`` into ``z``.
 
-    ``R = I - 2 r r^T + 2 q e^T`` (``e = z/||z||``, ``q = codes/||codes||``, ``r = (e + q)/||e + q||``)
-    is applied as vector products, never materialised; ``R`` and ``lambda`` are constants of the
-    backward pass."""
+    ``R = I - 2 r r^T + 2 q e^T`` (``e = z/||z||``, ``q = codes/||codes||``,
+    ``r = (e + q)/||e + q||``) is applied as vector products, never materialised; ``R`` and
+    ``lambda`` are constants of the backward pass."""
     z_const, codes_const = jax.lax.stop_gradient(z), jax.lax.stop_gradient(codes)
-    z_norm, codes_norm = _norm(z_const), _norm(codes_const)
+    z_norm, codes_norm = l2_norm(z_const), l2_norm(codes_const)
     e, q = z_const / z_norm, codes_const / codes_norm
-    r = (e + q) / _norm(e + q)
+    r = (e + q) / l2_norm(e + q)
     dot = lambda a, b: jnp.sum(a * b, axis=-1, keepdims=True)
     rotated = z - 2.0 * r * dot(r, z) + 2.0 * q * dot(e, z)
     return (codes_norm / z_norm) * rotated
@@ -102,8 +101,8 @@ def _check_indices(name: str, indices) -> None:
 
 
 class RotationVectorQuantizer(vector_quantizer.VectorQuantizer):
-    """``vector_quantizer.VectorQuantizer`` whose straight-through copy is replaced by the rotation trick,
-    taken from the quantizer's input ``z`` to its (possibly unit-norm) code. Same parameters,
+    """``vector_quantizer.VectorQuantizer`` whose straight-through copy is replaced by the rotation
+    trick, taken from the quantizer's input ``z`` to its (possibly unit-norm) code. Same parameters,
     state, loss and re-seeding."""
 
     def __call__(self, z: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
@@ -241,7 +240,8 @@ class LFQ(nn.Module):
 
 
 class SimVQ(nn.Module):
-    """SimVQ: nearest code among ``C W`` (``C`` frozen random, ``W`` learned); ``[b, h, w, embed_dim]``."""
+    """SimVQ: nearest code among ``C W`` (``C`` frozen random, ``W`` learned);
+    ``[b, h, w, embed_dim]``."""
 
     n_embed: int
     embed_dim: int

@@ -191,7 +191,8 @@ def _prepare(model, prefix, steps, settings: SamplingSettings, null_prefix):
         null_prefix = jnp.asarray(null_prefix, jnp.int32)
         if null_prefix.shape != prefix.shape:
             raise ValueError(
-                f"sample: null_prefix shape {null_prefix.shape} must equal prefix shape {prefix.shape}"
+                f"sample: null_prefix shape {null_prefix.shape} must equal "
+                f"prefix shape {prefix.shape}"
             )
         prefix = jnp.concatenate([prefix, null_prefix], axis=0)
     return prefix, settings

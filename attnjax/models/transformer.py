@@ -117,7 +117,8 @@ class TransformerEncoderLayer(_TransformerSettings):
 
     @nn.compact
     def __call__(self, src, mask=None, is_causal: bool = False, deterministic: bool = True):
-        """``src`` ``[batch, S, d_model]`` -> ``[batch, S, d_model]`` (``[S, batch, .]`` if not batch_first)."""
+        """``src`` ``[batch, S, d_model]`` -> ``[batch, S, d_model]`` (``[S, batch, .]`` if not
+        batch_first)."""
         self._check("TransformerEncoderLayer", src=src)
         x = self._to_batch_first(src)
         norm1, norm2 = self._layer_norm("norm1"), self._layer_norm("norm2")
@@ -137,7 +138,8 @@ class TransformerEncoderLayer(_TransformerSettings):
 
 
 class TransformerDecoderLayer(_TransformerSettings):
-    """torch ``nn.TransformerDecoderLayer``: self-attention, cross-attention to ``memory``, feed-forward."""
+    """torch ``nn.TransformerDecoderLayer``: self-attention, cross-attention to ``memory``,
+    feed-forward."""
 
     @nn.compact
     def __call__(
@@ -149,9 +151,11 @@ class TransformerDecoderLayer(_TransformerSettings):
         tgt_is_causal: bool = False,
         deterministic: bool = True,
     ):
-        """``tgt`` ``[batch, T, d_model]``, ``memory`` ``[batch, S, d_model]`` -> ``[batch, T, d_model]``.
+        """``tgt`` ``[batch, T, d_model]``, ``memory`` ``[batch, S, d_model]`` ->
+        ``[batch, T, d_model]``.
 
-        ``tgt_mask`` broadcasts to ``[batch, heads, T, T]``, ``memory_mask`` to ``[batch, heads, T, S]``.
+        ``tgt_mask`` broadcasts to ``[batch, heads, T, T]``, ``memory_mask`` to
+        ``[batch, heads, T, S]``.
         """
         self._check("TransformerDecoderLayer", tgt=tgt, memory=memory)
         x, memory = self._to_batch_first(tgt), self._to_batch_first(memory)
@@ -186,7 +190,8 @@ class TransformerEncoder(_TransformerSettings):
 
     @nn.compact
     def __call__(self, src, mask=None, is_causal: bool = False, deterministic: bool = True):
-        """``src`` ``[batch, S, d_model]`` -> ``[batch, S, d_model]`` (``[S, batch, .]`` if not batch_first)."""
+        """``src`` ``[batch, S, d_model]`` -> ``[batch, S, d_model]`` (``[S, batch, .]`` if not
+        batch_first)."""
         self._check("TransformerEncoder", src=src)
         x = self._to_batch_first(src)
         for i in range(self.num_layers):
@@ -214,7 +219,8 @@ class TransformerDecoder(_TransformerSettings):
         tgt_is_causal: bool = False,
         deterministic: bool = True,
     ):
-        """``tgt`` ``[batch, T, d_model]``, ``memory`` ``[batch, S, d_model]`` -> ``[batch, T, d_model]``."""
+        """``tgt`` ``[batch, T, d_model]``, ``memory`` ``[batch, S, d_model]`` ->
+        ``[batch, T, d_model]``."""
         self._check("TransformerDecoder", tgt=tgt, memory=memory)
         x, memory = self._to_batch_first(tgt), self._to_batch_first(memory)
         for i in range(self.num_layers):
@@ -243,11 +249,12 @@ class Transformer(_TransformerSettings):
         tgt_is_causal: bool = False,
         deterministic: bool = True,
     ):
-        """``src`` ``[batch, S, d_model]``, ``tgt`` ``[batch, T, d_model]`` -> ``[batch, T, d_model]``.
+        """``src`` ``[batch, S, d_model]``, ``tgt`` ``[batch, T, d_model]`` ->
+        ``[batch, T, d_model]``.
 
-        ``src_mask`` broadcasts to ``[batch, heads, S, S]``, ``tgt_mask`` to ``[batch, heads, T, T]``,
-        ``memory_mask`` to ``[batch, heads, T, S]`` (padded source tokens go in both ``src_mask``
-        and ``memory_mask``).
+        ``src_mask`` broadcasts to ``[batch, heads, S, S]``, ``tgt_mask`` to
+        ``[batch, heads, T, T]``, ``memory_mask`` to ``[batch, heads, T, S]`` (padded source tokens
+        go in both ``src_mask`` and ``memory_mask``).
         """
         self._check("Transformer", src=src, tgt=tgt)
         src, tgt = self._to_batch_first(src), self._to_batch_first(tgt)

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def _l2_normalize(x: Array, eps: float = 1e-12) -> Array:
-    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
+def l2_norm(x: Array, eps: float = 1e-12) -> Array:
+    """``[..., dim]`` -> ``[..., 1]``: the L2 norm over the last axis, at least ``sqrt(eps)``, so
+    ``x / l2_norm(x)`` is a unit vector (zero for a zero ``x``)."""
+    return jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
 
 
 def codebook_statistics(
@@ -106,7 +108,7 @@ class VectorQuantizer(nn.Module):
     def codebook(self) -> Array:
         """The codes as looked up: ``[n_embed, lookup_dim]`` (unit norm with ``l2_normalize``)."""
         codes = self.embedding if self.ema_decay is None else self.ema_codes.value
-        return _l2_normalize(codes) if self.l2_normalize else codes
+        return codes / l2_norm(codes) if self.l2_normalize else codes
 
     def lookup(self, indices: Array) -> Array:
         """Indices ``[...]`` -> quantized latents ``[..., embed_dim]``."""
@@ -120,12 +122,13 @@ class VectorQuantizer(nn.Module):
     def __call__(self, z: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
         if z.shape[-1] != self.embed_dim:
             raise ValueError(
-                f"VectorQuantizer: z must end in embed_dim={self.embed_dim} channels, got shape {z.shape}"
+                f"VectorQuantizer: z must end in embed_dim={self.embed_dim} channels, "
+                f"got shape {z.shape}"
             )
         if self.lookup_dim is not None:
             z = self.in_proj(z)
         if self.l2_normalize:
-            z = _l2_normalize(z)
+            z = z / l2_norm(z)
         flat = z.reshape(-1, z.shape[-1])
         codes = self.codebook()
         # Same expansion and order of operations as taming, so that argmin ties resolve alike.

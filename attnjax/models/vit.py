@@ -17,6 +17,7 @@ carry a leading ``[depth]`` axis; ``stack_block_params``/``unstack_block_params`
 
 Patch pixels are flattened in ``(row, column, channel)`` order, so ``patch_embed.kernel`` is a
 ``[ph, pw, C, width]`` convolution kernel reshaped to ``[ph * pw * C, width]``.
+``patchify`` lives in ``attnjax.models.patches``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnjax.models.multihead import MultiHeadAttention
+from attnjax.models.patches import pair, patchify
 from attnjax.models.position_embedding import LearnedPositionEmbedding
 from attnjax.ops.positional import sincos_2d_encoding
 
@@ -68,62 +70,17 @@ _NAMED = {
 _VARIANT_PATTERN = re.compile(r"^(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 
 
-def _pair(value, name: str, where: str = "ViT") -> tuple[int, int]:
-    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(pair) != 2 or not all(isinstance(v, (int, np.integer)) and v >= 1 for v in pair):
-        raise ValueError(f"{where}: {name} must be a positive int or a pair of them, got {value!r}")
-    return int(pair[0]), int(pair[1])
-
-
-def patchify(images, patch_size) -> Array:
-    """Cut images into non-overlapping patches by reshaping (no copy of overlapping windows).
-
-    Args:
-      images: ``[batch, H, W, C]``.
-      patch_size: ``P`` or ``(ph, pw)``; must divide ``H`` and ``W``.
-
-    Returns:
-      ``[batch, gh * gw, ph * pw * C]``, patches row-major over the grid, pixels ``(row, col, C)``.
-    """
-    ph, pw = _pair(patch_size, "patch_size", "patchify")
-    if jnp.ndim(images) != 4:
-        raise ValueError(
-            f"patchify: images must be [batch, H, W, C], got shape {jnp.shape(images)}"
-        )
-    batch, height, width, channels = images.shape
-    if height % ph or width % pw:
-        raise ValueError(
-            f"patchify: image size {height}x{width} (images shape {images.shape}) is not divisible "
-            f"by patch_size {ph}x{pw}"
-        )
-    gh, gw = height // ph, width // pw
-    patches = images.reshape(batch, gh, ph, gw, pw, channels).transpose(0, 1, 3, 2, 4, 5)
-    return patches.reshape(batch, gh * gw, ph * pw * channels)
-
-
-def unpatchify(patches, grid_shape, patch_size, channels: int) -> Array:
-    """Inverse of ``patchify``: ``[batch, gh * gw, ph * pw * C]`` -> ``[batch, H, W, C]``."""
-    gh, gw = _pair(grid_shape, "grid_shape", "unpatchify")
-    ph, pw = _pair(patch_size, "patch_size", "unpatchify")
-    batch = patches.shape[0]
-    if patches.shape[1:] != (gh * gw, ph * pw * channels):
-        raise ValueError(
-            f"unpatchify: patches of shape {patches.shape} do not match grid {gh}x{gw}, patch "
-            f"{ph}x{pw} and {channels} channels (expected [batch, {gh * gw}, {ph * pw * channels}])"
-        )
-    images = patches.reshape(batch, gh, gw, ph, pw, channels).transpose(0, 1, 3, 2, 4, 5)
-    return images.reshape(batch, gh * ph, gw * pw, channels)
-
-
 def _layer_norm(module: nn.Module, name: str) -> nn.LayerNorm:
-    """A LayerNorm with ``module``'s epsilon and dtypes (``EncoderBlock`` and ``ViT`` share them)."""
+    """A LayerNorm with ``module``'s epsilon and dtypes (``EncoderBlock`` and ``ViT`` share
+    them)."""
     return nn.LayerNorm(
         epsilon=module.layer_norm_eps, dtype=module.dtype, param_dtype=module.param_dtype, name=name
     )
 
 
-class MlpBlock(nn.Module):
-    """``fc1 -> GELU (exact, erf) -> dropout -> fc2 -> dropout``, ``[..., width]`` -> same shape."""
+class ViTMlp(nn.Module):
+    """timm's ``Mlp``: ``fc1 (mlp_dim) -> GELU (exact, erf) -> dropout -> fc2 -> dropout``,
+    ``[..., width]`` -> same shape."""
 
     mlp_dim: int
     dropout_rate: float = 0.0
@@ -191,7 +148,7 @@ class EncoderBlock(nn.Module):
         y = nn.Dropout(self.dropout_rate)(y, deterministic=self.deterministic)
         x = x + self._drop_path(y, drop_path_rate)
         y = _layer_norm(self, "norm2")(x)
-        y = MlpBlock(
+        y = ViTMlp(
             self.mlp_dim,
             self.dropout_rate,
             self.deterministic,
@@ -289,7 +246,9 @@ class ViT(nn.Module):
                 f"ViT: images have {channels} channels (shape {images.shape}), expected "
                 f"in_channels={self.in_channels} in the last axis (channels-last [batch, H, W, C])"
             )
-        if self.image_size is not None and (height, width) != _pair(self.image_size, "image_size"):
+        if self.image_size is not None and (height, width) != pair(
+            self.image_size, "image_size", "ViT"
+        ):
             raise ValueError(
                 f"ViT: images are {height}x{width} (shape {images.shape}), expected image_size "
                 f"{self.image_size!r}"
@@ -298,7 +257,7 @@ class ViT(nn.Module):
     def _embed(self, images, train: bool):
         self._check_images(images)
         x = patchify(images.astype(self.dtype or images.dtype), self.patch_size)
-        ph, pw = _pair(self.patch_size, "patch_size")
+        ph, pw = pair(self.patch_size, "patch_size", "ViT")
         grid_h, grid_w = images.shape[1] // ph, images.shape[2] // pw
         x = nn.Dense(
             self.width, dtype=self.dtype, param_dtype=self.param_dtype, name="patch_embed"
@@ -480,7 +439,7 @@ def attention_rollout(
     if not hasattr(attention_weights, "ndim"):
         attention_weights = jnp.stack(list(attention_weights))
     weights = jnp.asarray(attention_weights, jnp.float32)
-    grid_h, grid_w = _pair(grid_shape, "grid_shape", "attention_rollout")
+    grid_h, grid_w = pair(grid_shape, "grid_shape", "attention_rollout")
     if weights.ndim != 5 or weights.shape[-1] != weights.shape[-2]:
         raise ValueError(
             "attention_rollout: attention_weights must be per-layer [batch, heads, tokens, "

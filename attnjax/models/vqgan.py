@@ -71,7 +71,8 @@ class ResnetBlock(nn.Module):
 
 
 class AttnBlock(nn.Module):
-    """Single-head self-attention over all positions, with 1x1 convs as projections: ``[b, h, w, c]``.
+    """Single-head self-attention over all positions, with 1x1 convs as projections:
+    ``[b, h, w, c]``.
 
     The ``h * w`` positions are the sequence and ``c`` the head size: ``[b, h * w, 1, c]`` for
     ``dot_product_attention`` (scale ``1 / sqrt(c)``, as taming's ``c ** -0.5``)."""
@@ -232,7 +233,8 @@ class VQGAN(_DDConfig):
 
     Images ``[b, H, W, in_channels]`` (taming feeds pixels in [-1, 1]); token grid
     ``[b, H/f, W/f]`` with ``f = 2 ** (len(ch_mult) - 1)``. ``quantizer`` holds extra
-    ``VectorQuantizer`` fields; taming's VQModel is ``beta=0.25`` and ``quantizer={"legacy": True}``.
+    ``VectorQuantizer`` fields; taming's VQModel is ``beta=0.25`` and
+    ``quantizer={"legacy": True}``.
     """
 
     in_channels: int
@@ -265,7 +267,8 @@ class VQGAN(_DDConfig):
         self.post_quant_conv = nn.Conv(self.z_channels, (1, 1))
 
     def encode(self, x: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
-        """``x [b, H, W, in_channels]`` -> ``(quantized [b, h, w, embed_dim], indices [b, h, w], aux)``."""
+        """``x [b, H, W, in_channels]`` -> ``(quantized [b, h, w, embed_dim], indices [b, h, w],
+        aux)``."""
         return self.quantize(self.quant_conv(self.encoder(x, train)), train)
 
     def decode(self, quantized: Array, train: bool = False) -> Array:
@@ -293,6 +296,7 @@ def create_vqgan(ddconfig, n_embed: int, embed_dim: int, **kwargs) -> VQGAN:
     extra = set(ddconfig) - known
     if extra:
         raise ValueError(
-            f"create_vqgan: unknown ddconfig keys {sorted(extra)}; expected a subset of {sorted(known)}"
+            f"create_vqgan: unknown ddconfig keys {sorted(extra)}; "
+            f"expected a subset of {sorted(known)}"
         )
     return VQGAN(n_embed=n_embed, embed_dim=embed_dim, **dict(ddconfig), **kwargs)

@@ -27,8 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.ops.blocked_attention import blocked_dot_product_attention, choose_implementation
-from attnjax.ops.masks import causal_mask, check_mask_shape, large_negative, split_mask
+from attnjax.ops.blocked_attention import (
+    blocked_dot_product_attention,
+    choose_implementation,
+    cudnn_eligible,
+)
+from attnjax.ops.masks import as_4d, causal_mask, check_mask_shape, large_negative, split_mask
 
 Array = jax.Array
 _IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit", "blocked")
@@ -87,12 +91,7 @@ def _explicit_attention(
 
 def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation):
     if implementation is None:
-        if (
-            jax.default_backend() == "gpu"
-            and query.dtype in (jnp.float16, jnp.bfloat16)
-            and query.shape[-1] % 8 == 0
-            and query.shape[-1] <= 128
-        ):
+        if cudnn_eligible(jax.default_backend(), query.dtype, query.shape[-1]):
             try:
                 cudnn_bias = None if bias is None else bias.astype(query.dtype)
                 return jax.nn.dot_product_attention(
@@ -191,19 +190,16 @@ def dot_product_attention(
         )
 
     explicit = needs_weights or value.shape[-1] != depth or implementation == "explicit"
-    keep, bias = split_mask(mask)
+    keep, bias = split_mask(mask, "dot_product_attention")
     # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked blocks);
     # anything else is folded into the boolean mask.
     kernel_causal = is_causal and keep is None and length == key_length and not explicit
     if is_causal and not kernel_causal:
         causal = causal_mask(length, key_length)
         keep = causal if keep is None else jnp.logical_and(keep, causal)
-    row_valid = None
-    if keep is not None:
-        keep = jnp.reshape(keep, (1,) * (4 - keep.ndim) + keep.shape)
-        row_valid = jnp.any(keep, axis=-1, keepdims=True)  # [batch?, heads?, L, 1]
-    if bias is not None:
-        bias = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
+    keep, bias = as_4d(keep), as_4d(bias)
+    # [batch?, heads?, L, 1]
+    row_valid = None if keep is None else jnp.any(keep, axis=-1, keepdims=True)
 
     if explicit:
         out, weights = _explicit_attention(
@@ -229,7 +225,8 @@ def dot_product_attention(
 def _fold_leading(x, leading: tuple):
     """``[..., A, B]`` broadcastable to ``leading + (A, B)`` -> ``[batch, heads, A, B]``: the last
     leading dim plays the heads, the others are flattened into the batch. Singleton dims stay
-    singletons (``[1, 1, A, B]`` for an ``[A, B]`` mask), so nothing is copied per batch and head."""
+    singletons (``[1, 1, A, B]`` for an ``[A, B]`` mask), so nothing is copied per batch and
+    head."""
     x = x.reshape((1,) * (len(leading) + 2 - x.ndim) + x.shape)
     heads = x.shape[-3] if leading else 1
     if all(d == 1 for d in x.shape[:-3]):

@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from attnjax.ops.masks import as_4d, check_mask_shape, split_mask
 
 Array = jax.Array
 
@@ -48,21 +49,31 @@ CPU_LONG_KEY_BLOCK = 256
 CPU_LONG_BLOCK_FROM = 1024
 
 
+def cudnn_eligible(backend: str, dtype, head_dim: int) -> bool:
+    """Whether cuDNN flash attention may take the call: GPU, float16/bfloat16, ``head_dim`` a
+    multiple of 8 up to 128."""
+    return (
+        backend == "gpu"
+        and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
+
+
 def choose_implementation(
     backend: str, dtype, query_length: int, key_length: int, head_dim: int, value_dim: int
 ) -> str | None:
     """The fastest correct attention path for a backend, dtype and shape.
 
-    * GPU, float16/bfloat16, ``head_dim == value_dim``, a multiple of 8 up to 128: ``None``, the
-      fused ``jax.nn.dot_product_attention`` path, which tries cuDNN flash attention first (linear
+    * ``head_dim == value_dim`` and ``cudnn_eligible``: ``None``, the fused
+      ``jax.nn.dot_product_attention`` path, which tries cuDNN flash attention first (linear
       memory at any length).
     * ``max(query_length, key_length)`` at or above the backend's threshold
       (``BLOCKED_MIN_LENGTH``): ``"blocked"``, linear memory.
     * CPU from ``EXPLICIT_MIN_LENGTH_CPU`` tokens: ``"explicit"`` (einsum + softmax).
     * otherwise ``None``: XLA's fused attention, or einsum + softmax when ``head_dim != value_dim``.
     """
-    cudnn_shapes = head_dim == value_dim and head_dim % 8 == 0 and head_dim <= 128
-    if backend == "gpu" and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16) and cudnn_shapes:
+    if head_dim == value_dim and cudnn_eligible(backend, dtype, head_dim):
         return None
     length = max(query_length, key_length)
     if length >= BLOCKED_MIN_LENGTH.get(backend, BLOCKED_MIN_LENGTH_ACCELERATOR):
@@ -75,7 +86,6 @@ def choose_implementation(
 class _Blocks(NamedTuple):
     """Static configuration of one blocked call (hashable: a ``custom_vjp`` non-diff argument)."""
 
-    scale: float
     is_causal: bool
     query_block: int
     key_block: int
@@ -106,8 +116,6 @@ def _scores(q_tile, k_tile, keep, bias, block: _Blocks, query_start, key_start, 
     """Scaled scores of one tile and where they are allowed: (``[b, h, bq, bk]`` f32, bool or
     None for a tile that ``masked=False`` declares wholly allowed)."""
     scores = jnp.einsum("bhqd,bhkd->bhqk", q_tile, k_tile, preferred_element_type=jnp.float32)
-    if block.scale != 1.0:
-        scores = scores * jnp.float32(block.scale)
     if not masked:
         return scores, None
     tile_bias = _tile(bias, block, query_start, key_start)
@@ -270,8 +278,6 @@ def _backward(block: _Blocks, residuals, d_out):
                 tile = _reduce_to(d_scores, d_bias.shape)
                 current = jax.lax.dynamic_slice(d_bias, starts, tile.shape)
                 d_bias = jax.lax.dynamic_update_slice(d_bias, current + tile, starts)
-            if block.scale != 1.0:
-                d_scores = d_scores * jnp.float32(block.scale)
             dk_tile = dk_tile + jnp.einsum(
                 "bhqk,bhqd->bhkd", d_scores, q_tile, preferred_element_type=jnp.float32
             )
@@ -336,10 +342,6 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _as_4d(mask):
-    return None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
-
-
 def blocked_dot_product_attention(
     query,
     key,
@@ -395,34 +397,14 @@ def blocked_dot_product_attention(
         )
     batch, length, heads, depth = query.shape
     key_length = key.shape[1]
-    keep, bias = None, None
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        target = (batch, heads, length, key_length)
-        try:
-            broadcast = np.broadcast_shapes(mask.shape, target)
-        except ValueError:
-            broadcast = None
-        if mask.ndim > 4 or broadcast != target:
-            raise ValueError(
-                f"blocked_dot_product_attention: mask of shape {mask.shape} does not "
-                f"broadcast to {target}"
-            )
-        if mask.dtype == jnp.bool_:
-            keep = _as_4d(mask)
-        elif jnp.issubdtype(mask.dtype, jnp.floating):
-            bias = _as_4d(mask)
-            keep = ~jnp.isneginf(bias)
-            bias = jnp.where(keep, bias, 0.0)
-        else:
-            raise ValueError(
-                f"blocked_dot_product_attention: mask must be boolean (True = attend) or "
-                f"floating (added), got {mask.dtype}"
-            )
+    where = "blocked_dot_product_attention"
+    check_mask_shape(mask, (batch, heads, length, key_length), where)
+    keep, bias = split_mask(mask, where)
+    keep, bias = as_4d(keep), as_4d(bias)
     query_block, key_block = min(query_block, length), min(key_block, key_length)
     # The scale goes into the query once instead of into every tile of scores and their gradients.
     query = query * jnp.asarray(1.0 / math.sqrt(depth) if scale is None else scale, query.dtype)
-    block = _Blocks(1.0, bool(is_causal), query_block, key_block, length, key_length)
+    block = _Blocks(bool(is_causal), query_block, key_block, length, key_length)
     padded_length = -(-length // query_block) * query_block
     padded_keys = -(-key_length // key_block) * key_block
 
@@ -442,4 +424,9 @@ def blocked_dot_product_attention(
     return jnp.swapaxes(out[:, :, :length], 1, 2)
 
 
-__all__ = ("choose_implementation", "blocked_dot_product_attention", "BLOCKED_MIN_LENGTH")
+__all__ = (
+    "choose_implementation",
+    "cudnn_eligible",
+    "blocked_dot_product_attention",
+    "BLOCKED_MIN_LENGTH",
+)

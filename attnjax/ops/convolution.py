@@ -32,12 +32,13 @@ gradients equal XLA's to float32 rounding (``tests/ops/test_convolution.py``).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from attnjax.ops.platform import cpu_cores
 
 Array = jax.Array
 
@@ -116,18 +117,15 @@ def _cores_left_idle() -> bool:
     (benchmarks/results/convolution_cpu.md)."""
     if jax.default_backend() != "cpu":
         return False
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return jax.local_device_count() < cores
+    return jax.local_device_count() < cpu_cores()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def conv_with_product_kernel_grad(
     lhs: Array, rhs: Array, strides: tuple, pads: tuple, precision=None
 ) -> Array:
-    """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix products."""
+    """NHWC/HWIO ``lax.conv_general_dilated`` whose kernel gradient is ``kh * kw`` matrix
+    products."""
     return lax.conv_general_dilated(
         lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision
     )

@@ -17,11 +17,13 @@ Array = jax.Array
 
 
 def causal_mask(query_length: int, key_length: int | None = None) -> Array:
-    """Top-left aligned causal mask ``tril(ones(L, S))`` (PyTorch's ``is_causal``): bool ``[L, S]``."""
+    """Top-left aligned causal mask ``tril(ones(L, S))`` (PyTorch's ``is_causal``): bool
+    ``[L, S]``."""
     key_length = query_length if key_length is None else key_length
     if query_length < 1 or key_length < 1:
         raise ValueError(
-            f"causal_mask: query_length and key_length must be >= 1, got {query_length}, {key_length}"
+            "causal_mask: query_length and key_length must be >= 1, "
+            f"got {query_length}, {key_length}"
         )
     return jnp.tril(jnp.ones((query_length, key_length), dtype=bool))
 
@@ -40,9 +42,11 @@ def padding_mask(lengths, max_length: int) -> Array:
 
 
 def make_attention_mask(query_valid, key_valid) -> Array:
-    """Pairwise mask from per-token validity: ``[batch, L]``, ``[batch, S]`` -> bool ``[batch, 1, L, S]``.
+    """Pairwise mask from per-token validity: ``[batch, L]``, ``[batch, S]`` -> bool
+    ``[batch, 1, L, S]``.
 
-    A query may attend to a key when both are real tokens; the singleton axis broadcasts over heads.
+    A query may attend to a key when both are real tokens; the singleton axis broadcasts over
+    heads.
     """
     query_valid = jnp.asarray(query_valid, dtype=bool)
     key_valid = jnp.asarray(key_valid, dtype=bool)
@@ -80,8 +84,9 @@ def combine_masks(*masks) -> Array | None:
     return functools.reduce(jnp.add, additive)
 
 
-def split_mask(mask):
-    """A user mask -> (boolean part or None, additive float part or None)."""
+def split_mask(mask, where: str):
+    """A user mask -> (boolean part or None, additive float part or None); ``where`` names the
+    caller in the error for a mask of another dtype."""
     if mask is None:
         return None, None
     mask = jnp.asarray(mask)
@@ -89,12 +94,18 @@ def split_mask(mask):
         return mask, None
     if not jnp.issubdtype(mask.dtype, jnp.floating):
         raise ValueError(
-            f"mask must be boolean (True = attend) or floating (added), got {mask.dtype}"
+            f"{where}: mask must be boolean (True = attend) or floating (added), got {mask.dtype}"
         )
     # -inf entries are masked keys: moving them to the boolean part keeps fully masked rows
     # detectable (and the softmax finite) on every path.
     keep = ~jnp.isneginf(mask)
     return keep, jnp.where(keep, mask, 0.0)
+
+
+def as_4d(mask):
+    """A mask part of rank <= 4 -> rank 4 ``[batch, heads, L, S]`` with leading singleton axes
+    added (``None`` stays ``None``)."""
+    return None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
 
 
 def large_negative(dtype):

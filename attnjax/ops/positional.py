@@ -81,7 +81,8 @@ def resize_position_embedding(
     method: str = "bicubic",
     old_grid_hw=None,
 ) -> jax.Array:
-    """Resample a learned grid position embedding to a new patch grid (ViT fine-tuning at a new size).
+    """Resample a learned grid position embedding to a new patch grid (ViT fine-tuning at a new
+    size).
 
     Args:
       posemb: ``[1, num_prefix_tokens + h * w, dim]``; prefix tokens (class token) come first and
@@ -102,13 +103,14 @@ def resize_position_embedding(
         )
     if method not in _RESIZE_METHODS:
         raise ValueError(
-            f"resize_position_embedding: method must be one of {sorted(_RESIZE_METHODS)}, got {method!r}"
+            f"resize_position_embedding: method must be one of {sorted(_RESIZE_METHODS)}, "
+            f"got {method!r}"
         )
     num_grid = posemb.shape[1] - num_prefix_tokens
     if num_prefix_tokens < 0 or num_grid < 1:
         raise ValueError(
-            f"resize_position_embedding: num_prefix_tokens={num_prefix_tokens} leaves no grid tokens "
-            f"in posemb of shape {posemb.shape}"
+            f"resize_position_embedding: num_prefix_tokens={num_prefix_tokens} leaves no grid "
+            f"tokens in posemb of shape {posemb.shape}"
         )
     if old_grid_hw is None:
         side = math.isqrt(num_grid)

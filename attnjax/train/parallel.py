@@ -32,6 +32,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attnjax.ops.platform import cpu_cores
 from attnjax.train import sharding
 
 MODES = ("jit", "pmap")
@@ -106,14 +107,6 @@ def _accelerator_expected() -> bool:
         for d in importlib.metadata.distributions()
     }
     return any(name.startswith(("jax-cuda", "jax-rocm", "libtpu")) for name in names)
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # The CPU device count use_cpu_cores chose for this process (None: it chose none).

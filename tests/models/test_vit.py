@@ -22,6 +22,7 @@ from torch import nn
 
 from attnjax.convert.timm import vit_from_torch_reference
 from attnjax.models import vit
+from attnjax.models.patches import patchify, unpatchify
 
 
 class TorchBlock(nn.Module):
@@ -324,7 +325,7 @@ def test_bad_images_raise(torch_pair):
 
 def test_patchify_matches_the_torch_patch_order_up_to_pixel_order():
     images = _images(2, (8, 12), channels=3, seed=5)
-    patches = np.asarray(vit.patchify(images, 4))  # [2, 2 * 3, 4 * 4 * 3], pixels (row, col, C)
+    patches = np.asarray(patchify(images, 4))  # [2, 2 * 3, 4 * 4 * 3], pixels (row, col, C)
     nchw = images.transpose(0, 3, 1, 2)
     torch_order = (
         nchw.reshape(2, 3, 2, 4, 3, 4).transpose(0, 2, 4, 1, 3, 5).reshape(2, 6, 48)
@@ -332,7 +333,7 @@ def test_patchify_matches_the_torch_patch_order_up_to_pixel_order():
     reordered = patches.reshape(2, 6, 4, 4, 3).transpose(0, 1, 4, 2, 3).reshape(2, 6, 48)
     np.testing.assert_array_equal(reordered, torch_order)
     np.testing.assert_array_equal(patches[1, 4], images[1, 4:8, 4:8].reshape(-1))  # patch (1, 1)
-    np.testing.assert_array_equal(vit.unpatchify(patches, (2, 3), 4, 3), images)
+    np.testing.assert_array_equal(unpatchify(patches, (2, 3), 4, 3), images)
 
 
 @settings(max_examples=15, deadline=None)
@@ -345,12 +346,12 @@ def test_patchify_matches_the_torch_patch_order_up_to_pixel_order():
 def test_patchify_property(batch, grid, patch, channels):
     shape = (batch, grid[0] * patch[0], grid[1] * patch[1], channels)
     images = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
-    patches = np.asarray(vit.patchify(images, patch))
+    patches = np.asarray(patchify(images, patch))
     assert patches.shape == (batch, grid[0] * grid[1], patch[0] * patch[1] * channels)
     row, col = grid[0] - 1, grid[1] - 1  # the last patch: row-major token order
     window = images[:, row * patch[0] :, col * patch[1] :]
     np.testing.assert_array_equal(patches[:, -1], window.reshape(batch, -1))
-    np.testing.assert_array_equal(vit.unpatchify(patches, grid, patch, channels), images)
+    np.testing.assert_array_equal(unpatchify(patches, grid, patch, channels), images)
 
 
 @pytest.mark.parametrize(
