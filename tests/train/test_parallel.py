@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import flax
+import grain
 import jax
 import numpy as np
 import pytest
@@ -156,7 +157,7 @@ def test_cpu_devices_wanted_divides_the_batches_and_rejects_negatives(digits_dir
 
 
 def test_prefetcher_state_is_that_of_the_consumed_batch():
-    source = data.grain.MapDataset.range(10).batch(2)
+    source = grain.MapDataset.range(10).batch(2)
     iterator = data.make_iterator(source)
     prefetcher = parallel.Prefetcher(iterator, put=lambda b: b * 1, size=3)
     batch, state = next(prefetcher)
