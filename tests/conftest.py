@@ -3,6 +3,14 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole suite and every subprocess it starts (they
+# inherit the environment): most of the suite's time is XLA compiling the same tiny programs.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import numpy as np
 import pytest
@@ -30,7 +38,8 @@ def np_rng():
 
 @pytest.fixture(scope="session")
 def lpips_reference():
-    """The ``lpips`` package's VGG LPIPS with a random trunk (no download) and its shipped linear layers."""
+    """The ``lpips`` package's VGG LPIPS with a random trunk (no download) and its shipped
+    linear layers."""
     import lpips as torch_lpips
     import torch
 

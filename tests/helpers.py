@@ -36,7 +36,8 @@ def lpips_distance(reference, a, b):
 
 
 def write_pickle_that_runs_code(path):
-    """A ``.pth`` whose unpickling would call ``print`` (as a real attack would call ``os.system``)."""
+    """A ``.pth`` whose unpickling would call ``print`` (as a real attack would call
+    ``os.system``)."""
     import torch
 
     class RunsCode:
@@ -166,7 +167,9 @@ jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
 
 @contextlib.contextmanager
 def count_compilations():
-    """Yields the list of XLA compilations (JAX's own monitoring events) made inside the block."""
+    """Yields the list of XLA compilations (JAX's own monitoring events) made inside the block.
+    A load from the suite's persistent compilation cache counts too: JAX times it under the same
+    event, around ``compile_or_get_cached``."""
     global _compile_log
     _compile_log = []
     try:

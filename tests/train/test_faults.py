@@ -78,14 +78,10 @@ def config_like_flags(digits_dir, **overrides):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    # Every run compiles the same programs: later ones load them from this cache.
-    cache = str(tmp_path_factory.mktemp("jax_cache"))
-    return {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": cache,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+def env():
+    # Every run compiles the same programs: later ones load them from the suite's compilation
+    # cache (conftest.py), which the environment names.
+    return dict(os.environ)
 
 
 @pytest.fixture(scope="module")

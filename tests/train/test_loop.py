@@ -169,12 +169,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(digits_dir, tmp_path):
         f"--config.data.data_dir={digits_dir}",
         *RESUME_FLAGS,
     ]
-    # Both processes run the same programs: the second loads them from a compilation cache.
-    env = {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+    # Both processes run the same programs: the second loads them from the suite's compilation
+    # cache (conftest.py), which the environment names.
+    env = dict(os.environ)
     proc = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -195,7 +192,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(digits_dir, tmp_path):
     assert interrupted_at is not None and interrupted_at < 40
 
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300, env=env)
-    resumed_lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    resumed_lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     assert resumed_lines[-1]["step"] == 40
 
     config = load_config("vit_digits")
@@ -493,6 +490,7 @@ def test_step_keys_from_host_memory_are_the_per_step_fold_in():
 
     train_rng = jax.random.split(jax.random.PRNGKey(7))[1]
     keys = _StepKeys(train_rng, chunk=8)
-    # In order, across chunk boundaries, then backwards and far ahead (a resumed run starts anywhere).
+    # In order, across chunk boundaries, then backwards and far ahead (a resumed run starts
+    # anywhere).
     for index in list(range(20)) + [3, 1000, 999, 7]:
         np.testing.assert_array_equal(keys(index), np.asarray(jax.random.fold_in(train_rng, index)))

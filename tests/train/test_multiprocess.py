@@ -47,8 +47,13 @@ def train_command(config, data_dir, workdir, *flags):
     ]
 
 
+def env_without_jax_settings():
+    """The environment less JAX's settings, but for the suite's compilation cache."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or "CACHE" in k}
+
+
 def env_with_devices(devices):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env = env_without_jax_settings()
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     return env
 
@@ -66,7 +71,7 @@ def run_one_process(command, devices):
 
 
 def launcher(command, processes, devices_per_process):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env = env_without_jax_settings()
     return subprocess.Popen(
         [
             sys.executable,
