@@ -1,4 +1,5 @@
-"""attnjax/export.py: the exported programs of trained runs equal the live models, without attnjax."""
+"""attnjax/export.py: the exported programs of trained runs equal the live models, without
+attnjax."""
 
 import json
 import os

@@ -74,7 +74,8 @@ def assert_relative(actual, expected, tol=1e-5, what="value"):
 
 
 def _randomise_norms(module, generator):
-    """Default GroupNorm/BatchNorm affines are 1 and 0: perturb them so that their conversion counts."""
+    """Default GroupNorm/BatchNorm affines are 1 and 0: perturb them so that their conversion
+    counts."""
     with torch.no_grad():
         for layer in module.modules():
             if isinstance(layer, (torch.nn.GroupNorm, torch.nn.BatchNorm2d)):
@@ -214,7 +215,8 @@ def test_vector_quantizer_matches_taming():
 
 
 def test_non_legacy_loss_puts_beta_on_commitment():
-    """VectorQuantizer2(legacy=False): d loss / d z = 2 beta (z - e) / N, d loss / d e = 2 (e - z) / N."""
+    """VectorQuantizer2(legacy=False): d loss / d z = 2 beta (z - e) / N,
+    d loss / d e = 2 (e - z) / N."""
     rng = np.random.default_rng(0)
     codes = rng.normal(size=(8, 3)).astype(np.float32)
     z = rng.normal(size=(1, 2, 5, 3)).astype(np.float32)

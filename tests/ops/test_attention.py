@@ -1,4 +1,5 @@
-"""attnjax.ops.attention against torch.nn.functional.scaled_dot_product_attention and by construction."""
+"""attnjax.ops.attention against torch.nn.functional.scaled_dot_product_attention and by
+construction."""
 
 import jax
 import jax.numpy as jnp
