@@ -53,16 +53,15 @@ def test_bad_arguments_raise():
         demo.main(["--samples_per_class", "0"])
 
 
-def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(digits_dir, tmp_path):
+def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(trained_runs, tmp_path):
     import jax
     import numpy as np
-    from helpers import trained_runs
     from PIL import Image
 
     from attnjax.inference import generate
     from attnjax.tasks import classification
 
-    runs = trained_runs(digits_dir, str(tmp_path / "runs"))
+    runs = trained_runs
     vit_config, (_, predict) = (
         checkpoint.read_config(runs["vit"]),
         classification.make_predict(runs["vit"]),

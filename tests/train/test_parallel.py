@@ -45,7 +45,16 @@ EIGHT_DEVICES = textwrap.dedent("""
 """)
 
 
-def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
+@pytest.fixture(scope="module")
+def one_device_run(digits_dir, tmp_path_factory):
+    """tiny_config trained in this (one-device) process -> (final metrics, flat params)."""
+    workdir = str(tmp_path_factory.mktemp("one"))
+    metrics = train_and_evaluate(tiny_config(digits_dir), workdir)
+    return metrics, flax.traverse_util.flatten_dict(checkpoint.load(workdir)[1], sep="/")
+
+
+@pytest.mark.xdist_group("one_device_run")  # the reference is trained once, on one worker
+def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, one_device_run, tmp_path):
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
@@ -63,9 +72,7 @@ def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
 
-    one = train_and_evaluate(tiny_config(digits_dir), str(tmp_path / "one"))
-    _, params = checkpoint.load(str(tmp_path / "one"))
-    reference = flax.traverse_util.flatten_dict(params, sep="/")
+    one, reference = one_device_run
     for mode in ("jit", "pmap"):
         with np.load(tmp_path / f"{mode}.npz") as got:
             assert sorted(got.files) == sorted(reference)
@@ -110,7 +117,10 @@ CPU_CORES_AS_DEVICES = textwrap.dedent("""
 """)
 
 
-def test_cpu_devices_per_config_and_a_subset_equals_one_device(digits_dir, tmp_path):
+@pytest.mark.xdist_group("one_device_run")
+def test_cpu_devices_per_config_and_a_subset_equals_one_device(
+    digits_dir, one_device_run, tmp_path
+):
     """use_cpu_cores gives the process the largest count its configs ask for; a config that asks
     for fewer trains on the first of them, with the values of a one-device process."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -134,8 +144,7 @@ def test_cpu_devices_per_config_and_a_subset_equals_one_device(digits_dir, tmp_p
         "after": 4,
     }, result
 
-    train_and_evaluate(tiny_config(digits_dir), str(tmp_path / "one"))
-    reference = flax.traverse_util.flatten_dict(checkpoint.load(str(tmp_path / "one"))[1], sep="/")
+    _, reference = one_device_run
     with np.load(tmp_path / "first_of_4.npz") as got:
         assert sorted(got.files) == sorted(reference)
         for key, value in reference.items():
