@@ -77,3 +77,16 @@ def lpips_reference():
 
     torch.manual_seed(0)
     return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
+
+
+# Longest first, so that no xdist worker is left alone with a long group at the end: the
+# multi-process runs, the fault runs and the tests of the trained runs (their xdist groups).
+LONGEST = ("multiprocess", "faults", "trained_runs")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        groups = [mark.args[0] for mark in item.iter_markers("xdist_group")]
+        return min((LONGEST.index(g) for g in groups if g in LONGEST), default=len(LONGEST))
+
+    items.sort(key=rank)  # stable: the order within a rank is the collection's

@@ -19,6 +19,9 @@ from attnjax.tasks import classification
 from attnjax.tasks import prior as prior_task
 from attnjax.train import checkpoint
 
+# One worker reads the trained runs, so that no other waits for them to be trained.
+pytestmark = pytest.mark.xdist_group("trained_runs")
+
 
 def test_exported_classifier_equals_the_live_model(trained_runs, tmp_path, digits_dir):
     path = str(tmp_path / "vit.jaxexport")

@@ -16,6 +16,9 @@ from attnjax.inference import generate
 from attnjax.tasks import prior as prior_task
 from attnjax.train import checkpoint
 
+# One worker reads the trained runs, so that no other waits for them to be trained.
+pytestmark = pytest.mark.xdist_group("trained_runs")
+
 
 @pytest.fixture
 def prior_workdir(trained_runs):
