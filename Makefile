@@ -25,8 +25,10 @@ demo: $(VENV)/.installed
 	$(PY) demo.py
 
 # Two workers: most of the suite is XLA compilation and subprocesses, which use one core each.
+# loadgroup: tests marked with one xdist_group run on one worker (the multi-process runs one at a
+# time; tests sharing a module-scoped run train it once).
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV) runs

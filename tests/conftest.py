@@ -1,8 +1,18 @@
 """Shared test setup: CPU-only JAX, and torchvision made importable next to the CPU torch."""
 
+import contextlib
+import fcntl
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole suite and every subprocess it starts (they
+# inherit the environment): most of the suite's time is XLA compiling the same tiny programs.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import numpy as np
 import pytest
@@ -13,14 +23,44 @@ from attnjax.convert.common import make_torchvision_importable
 make_torchvision_importable()
 
 
+@contextlib.contextmanager
+def made_once(tmp_path_factory, name):
+    """Yields ``(path, made)`` under a lock, ``path`` a directory shared by every xdist worker
+    of this session (each worker's own session otherwise): what the first worker makes there,
+    the others find ``made``. Mark the artefact complete by creating ``path / "made"``."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / name
+    path.mkdir(exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield path, (path / "made").exists()
+
+
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory):
     """A TFDS data dir holding the embedded digits, prepared once for the whole session."""
     from attnjax import data
 
-    path = str(tmp_path_factory.mktemp("tfds"))
-    data.load_source("digits", "train", path)  # prepares both splits
-    return path
+    with made_once(tmp_path_factory, "tfds") as (path, made):
+        if not made:
+            data.load_source("digits", "train", str(path))  # prepares both splits
+            (path / "made").touch()
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def trained_runs(digits_dir, tmp_path_factory):
+    """The tiny ViT, VQGAN and prior runs of helpers.train_tiny_runs, trained once per session
+    -> ``{"vit": workdir, "vqgan": workdir, "prior": workdir}``. Tests only read them."""
+    from helpers import train_tiny_runs
+
+    with made_once(tmp_path_factory, "runs") as (path, made):
+        runs = {name: str(path / name) for name in ("vit", "vqgan", "prior")}
+        if not made:
+            train_tiny_runs(digits_dir, runs)
+            (path / "made").touch()
+    return runs
 
 
 @pytest.fixture
@@ -30,9 +70,23 @@ def np_rng():
 
 @pytest.fixture(scope="session")
 def lpips_reference():
-    """The ``lpips`` package's VGG LPIPS with a random trunk (no download) and its shipped linear layers."""
+    """The ``lpips`` package's VGG LPIPS with a random trunk (no download) and its shipped
+    linear layers."""
     import lpips as torch_lpips
     import torch
 
     torch.manual_seed(0)
     return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
+
+
+# Longest first, so that no xdist worker is left alone with a long group at the end: the
+# multi-process runs, the fault runs and the tests of the trained runs (their xdist groups).
+LONGEST = ("multiprocess", "faults", "trained_runs")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        groups = [mark.args[0] for mark in item.iter_markers("xdist_group")]
+        return min((LONGEST.index(g) for g in groups if g in LONGEST), default=len(LONGEST))
+
+    items.sort(key=rank)  # stable: the order within a rank is the collection's

@@ -7,13 +7,13 @@ import os
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attnjax import data
+from attnjax.models import vit
 from attnjax.tasks import classification, train_and_evaluate
 from attnjax.train import parallel, sharding
-
-_RUNS: dict = {}
 
 
 def assert_close(actual, expected, rtol=1e-5, atol=1e-6, what="value"):
@@ -36,7 +36,8 @@ def lpips_distance(reference, a, b):
 
 
 def write_pickle_that_runs_code(path):
-    """A ``.pth`` whose unpickling would call ``print`` (as a real attack would call ``os.system``)."""
+    """A ``.pth`` whose unpickling would call ``print`` (as a real attack would call
+    ``os.system``)."""
     import torch
 
     class RunsCode:
@@ -119,38 +120,69 @@ def train_steps(config):
     return params, sharding.bytes_per_device(held), whole
 
 
-def trained_runs(digits_dir, root) -> dict:
-    """Tiny ViT, VQGAN (8x8 digits -> 4x4 codes) and prior runs, trained once per session
-    (``root`` of the first call holds them)."""
-    if digits_dir in _RUNS:
-        return _RUNS[digits_dir]
+def tiny_vqgan_config(data_dir, **overrides):
+    """The canonical tiny VQGAN on the embedded digits (16x16, f=1: the fewest layers to
+    compile), batch 16, evaluated on 64 test images every 4 steps."""
+    config = load_config("vqgan_digits")
+    config.data.data_dir = data_dir
+    config.data.eval_split = "test[:64]"
+    config.model.ddconfig.update(ch_mult=(1,), num_res_blocks=1)
+    config.update(
+        dict(
+            batch_size=16,
+            eval_batch_size=64,
+            warmup_steps=1,
+            log_every=2,
+            eval_every=4,
+            checkpoint_every=4,
+            quiet=True,
+        ),
+        **overrides,
+    )
+    return config
+
+
+def tiny_prior_config(vqgan_workdir, **overrides):
+    """The canonical tiny prior (one GPT layer of width 16) on the codes of ``vqgan_workdir``."""
+    config = load_config("prior_digits")
+    config.vqgan_workdir = vqgan_workdir
+    config.data.train_shifts = 0
+    config.model.update(n_layer=1, n_head=2, n_embd=16)
+    config.sampling.update(per_class=1, guidance=2.0)
+    config.update(
+        dict(
+            batch_size=16,
+            eval_batch_size=64,
+            warmup_steps=1,
+            log_every=2,
+            eval_every=4,
+            checkpoint_every=4,
+            quiet=True,
+        ),
+        **overrides,
+    )
+    return config
+
+
+def train_tiny_runs(digits_dir, runs):
+    """Trains 4 steps of the tiny ViT on 8x8 digits, the tiny VQGAN made 8x8 -> 4x4 codes, and
+    the tiny prior on its codes into ``runs["vit"]``, ``runs["vqgan"]`` and ``runs["prior"]``;
+    conftest's ``trained_runs`` fixture trains them once per session."""
     steps = dict(
         num_train_steps=4, log_every=2, eval_every=4, checkpoint_every=4, warmup_steps=1, quiet=True
     )
-    vit_config = load_config("vit_digits")
-    vit_config.data.update(data_dir=digits_dir, image_size=8)  # the VQGAN's size: it judges samples
-    vit_config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, image_size=8)
-    vit_config.update(batch_size=16, eval_batch_size=120, **steps)
+    vit_config = tiny_vit_config(digits_dir, eval_batch_size=120, **steps)
+    vit_config.data.image_size = vit_config.model.image_size = 8  # the VQGAN's: it judges samples
 
-    vqgan_config = load_config("vqgan_digits")
-    vqgan_config.data.update(data_dir=digits_dir, image_size=8, eval_split="test[:64]")
-    vqgan_config.model.ddconfig.update(ch=32, ch_mult=(1, 1), resolution=8, z_channels=8)
+    vqgan_config = tiny_vqgan_config(digits_dir, num_train_steps=4)
+    vqgan_config.data.image_size = 8
+    vqgan_config.model.ddconfig.update(ch_mult=(1, 1), resolution=8, z_channels=8)
     vqgan_config.model.update(n_embed=16, embed_dim=8)
-    vqgan_config.update(batch_size=16, eval_batch_size=64, **steps)
 
-    prior_config = load_config("prior_digits")
-    prior_config.vqgan_workdir = os.path.join(root, "vqgan")
-    prior_config.data.train_shifts = 0
-    prior_config.model.update(n_layer=1, n_head=2, n_embd=16)
-    prior_config.sampling.update(per_class=1, guidance=2.0)
-    prior_config.update(batch_size=16, eval_batch_size=64, **steps)
+    prior_config = tiny_prior_config(runs["vqgan"], num_train_steps=4)
 
-    runs = {}
     for name, config in (("vit", vit_config), ("vqgan", vqgan_config), ("prior", prior_config)):
-        runs[name] = os.path.join(root, name)
         train_and_evaluate(config, runs[name])
-    _RUNS[digits_dir] = runs
-    return runs
 
 
 _compile_log: list | None = None
@@ -166,7 +198,9 @@ jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
 
 @contextlib.contextmanager
 def count_compilations():
-    """Yields the list of XLA compilations (JAX's own monitoring events) made inside the block."""
+    """Yields the list of XLA compilations (JAX's own monitoring events) made inside the block.
+    A load from the suite's persistent compilation cache counts too: JAX times it under the same
+    event, around ``compile_or_get_cached``."""
     global _compile_log
     _compile_log = []
     try:
@@ -175,16 +209,48 @@ def count_compilations():
         _compile_log = None
 
 
-def tiny_config(data_dir, parallel_mode="jit"):
+TINY_VIT_MODEL = dict(width=16, depth=1, num_heads=2, mlp_dim=32)
+TINY_VIT_BATCHES = dict(batch_size=16, eval_batch_size=40)
+
+
+def tiny_vit_flags():
+    """train.py's flags for the tiny ViT's model and batch sizes (see ``tiny_vit``)."""
+    return [f"--config.model.{k}={v}" for k, v in TINY_VIT_MODEL.items()] + [
+        f"--config.{k}={v}" for k, v in TINY_VIT_BATCHES.items()
+    ]
+
+
+def tiny_vit(config, **overrides):
+    """Any ViT config shrunk to the suite's tiny ViT (width 16, depth 1, 2 heads, MLP 32; batch
+    16, eval batch 40; logs every 2 steps, evaluates and saves every 4), then ``overrides``."""
+    config.model.update(TINY_VIT_MODEL)
+    config.update(
+        dict(
+            **TINY_VIT_BATCHES,
+            warmup_steps=2,
+            log_every=2,
+            eval_every=4,
+            checkpoint_every=4,
+            quiet=True,
+        ),
+        **overrides,
+    )
+    return config
+
+
+def tiny_vit_config(data_dir, **overrides):
+    """The canonical tiny ViT on the embedded digits in ``data_dir``."""
     config = load_config("vit_digits")
     config.data.data_dir = data_dir
-    config.data.crop_padding = 1
-    config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, dropout_rate=0.0)
+    return tiny_vit(config, **overrides)
+
+
+def tiny_config(data_dir, parallel_mode="jit"):
+    """The tiny ViT for comparing layouts: 3 SGD steps without dropout, on ``parallel_mode``."""
     # SGD: Adam divides each gradient by its own magnitude, so parameters whose true gradient is
     # zero (attention key biases: softmax ignores them) would move by rounding noise / noise.
-    config.update(
-        batch_size=16,
-        eval_batch_size=40,
+    config = tiny_vit_config(
+        data_dir,
         num_train_steps=3,
         warmup_steps=1,
         log_every=1,
@@ -192,11 +258,31 @@ def tiny_config(data_dir, parallel_mode="jit"):
         checkpoint_every=3,
         best_metric="",
         parallel=parallel_mode,
-        quiet=True,
         optimizer="sgd",
         learning_rate=0.3,
     )
+    config.data.crop_padding = 1
+    config.model.dropout_rate = 0.0
     return config
+
+
+def tiny_vit_params():
+    """A tiny ViT (8x8 single-channel images, patch 4, 3 classes) and its initial params."""
+    model = vit.create_vit(
+        num_classes=3,
+        image_size=8,
+        patch_size=4,
+        width=8,
+        depth=1,
+        num_heads=2,
+        mlp_dim=16,
+        in_channels=1,
+    )
+    return model, model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
+
+
+def flat(tree):
+    return flax.traverse_util.flatten_dict(tree, sep="/")
 
 
 def jit_steps(config):
@@ -234,3 +320,39 @@ def load_config(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+def assert_relative(actual, expected, tol=1e-5, what="value"):
+    """Relative error in the max norm: ``|a - b| <= tol * (|b| + max |b|)`` elementwise, so that
+    entries near zero in a deep float32 network are held to the scale of the output."""
+    expected = np.asarray(expected)
+    assert_close(actual, expected, rtol=tol, atol=tol * float(np.abs(expected).max()), what=what)
+
+
+def randomise_norms(module, generator):
+    """Default GroupNorm/BatchNorm affines are 1 and 0: perturb them so that their conversion
+    counts."""
+    import torch
+
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, (torch.nn.GroupNorm, torch.nn.BatchNorm2d)):
+                layer.weight.add_(0.2 * torch.randn(layer.weight.shape, generator=generator))
+                layer.bias.add_(0.2 * torch.randn(layer.bias.shape, generator=generator))
+            if isinstance(layer, torch.nn.BatchNorm2d):
+                layer.running_mean.copy_(
+                    0.1 * torch.randn(layer.running_mean.shape, generator=generator)
+                )
+                layer.running_var.copy_(
+                    1 + torch.rand(layer.running_var.shape, generator=generator)
+                )
+
+
+def nchw(x):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(x).transpose(0, 3, 1, 2)))
+
+
+def nhwc(t):
+    return t.detach().numpy().transpose(0, 2, 3, 1)

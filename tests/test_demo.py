@@ -4,28 +4,22 @@ import os
 import sys
 
 import pytest
+from helpers import tiny_vit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import demo  # noqa: E402
 from attnjax.train import checkpoint
 
 
-def _tiny_vit_config():
-    config = demo.load_config("configs/vit_digits.py")
-    config.model.width, config.model.depth, config.model.num_heads, config.model.mlp_dim = (
-        16,
-        1,
-        2,
-        32,
-    )
-    config.num_train_steps = config.log_every = config.eval_every = config.checkpoint_every = 3
-    config.eval_batch_size = 360
-    config.quiet = True
-    return config
-
-
 def test_a_finished_stage_is_reused_not_retrained(tmp_path):
-    config = _tiny_vit_config()
+    config = tiny_vit(
+        demo.load_config("configs/vit_digits.py"),
+        num_train_steps=3,
+        log_every=3,
+        eval_every=3,
+        checkpoint_every=3,
+        eval_batch_size=360,
+    )
     workdir = str(tmp_path / "vit")
     assert checkpoint.latest_step(workdir) is None
 
@@ -53,16 +47,16 @@ def test_bad_arguments_raise():
         demo.main(["--samples_per_class", "0"])
 
 
-def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(digits_dir, tmp_path):
+@pytest.mark.xdist_group("trained_runs")  # with the other readers of the trained runs
+def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(trained_runs, tmp_path):
     import jax
     import numpy as np
-    from helpers import trained_runs
     from PIL import Image
 
     from attnjax.inference import generate
     from attnjax.tasks import classification
 
-    runs = trained_runs(digits_dir, str(tmp_path / "runs"))
+    runs = trained_runs
     vit_config, (_, predict) = (
         checkpoint.read_config(runs["vit"]),
         classification.make_predict(runs["vit"]),

@@ -1,4 +1,5 @@
-"""The parity report names the layer where a conversion goes wrong: plant a wrong weight, find it."""
+"""The parity report names the layer where a conversion goes wrong: plant a wrong weight, find
+it."""
 
 import jax
 import numpy as np
@@ -12,7 +13,8 @@ from attnjax.convert import timm as convert_timm
 
 
 def _planted(variables, path):
-    """A copy of ``variables`` with the leaf at ``path`` (a Flax parameter) shifted by 1e-2 noise."""
+    """A copy of ``variables`` with the leaf at ``path`` (a Flax parameter) shifted by 1e-2
+    noise."""
     noise = np.random.default_rng(0).standard_normal
 
     def shift(key_path, leaf):

@@ -1,4 +1,5 @@
-"""Export to PyTorch: attnjax -> timm / taming modules give the same outputs, in PyTorch, to 1e-5."""
+"""Export to PyTorch: attnjax -> timm / taming modules give the same outputs, in PyTorch, to
+1e-5."""
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ N_EMBED, EMBED_DIM = 24, 8
 
 
 def _perturbed(variables, seed):
-    """Zero-initialised heads, tokens and biases would hide a wrong mapping: randomise every leaf."""
+    """Zero-initialised heads, tokens and biases would hide a wrong mapping: randomise every
+    leaf."""
     leaves, tree = jax.tree.flatten(variables)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     noisy = [leaf + 0.1 * jax.random.normal(key, leaf.shape) for leaf, key in zip(leaves, keys)]

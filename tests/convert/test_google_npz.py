@@ -123,7 +123,8 @@ def test_google_npz_module_imports_no_torch(tmp_path):
         "import sys\n"
         "from attnjax.convert.google_npz import load_google_npz\n"
         f"model, _ = load_google_npz({str(path)!r})\n"
-        "print(model.depth, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'timm')))\n"
+        "torch_world = ('torch', 'torchvision', 'timm')\n"
+        "print(model.depth, sorted(m for m in sys.modules if m.split('.')[0] in torch_world))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script],

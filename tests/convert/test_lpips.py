@@ -29,7 +29,8 @@ def _image_pair(seed, size=16):
 
 
 def _torchvision_trunk(reference) -> dict:
-    """The reference's VGG16 trunk under torchvision's ``features.N`` keys, as a download has them."""
+    """The reference's VGG16 trunk under torchvision's ``features.N`` keys, as a download has
+    them."""
     return {
         f"features.{name}": tensor
         for k in range(1, 6)

@@ -1,4 +1,5 @@
-"""attnjax.models.transformer equals torch's nn.Transformer family (outputs and gradients) to 1e-5."""
+"""attnjax.models.transformer equals torch's nn.Transformer family (outputs and gradients) to
+1e-5."""
 
 import copy
 
@@ -12,7 +13,8 @@ from helpers import assert_close
 from attnjax.convert.torch_nn import transformer_from_torch, transformer_masks_from_torch
 
 # One row per case: kind, norm_first, activation, bias, batch_first, final norm, padding mask,
-# causal mask as torch's boolean or float mask (with the is_causal hint) or attnjax's is_causal flag.
+# causal mask as torch's boolean or float mask (with the is_causal hint) or attnjax's is_causal
+# flag.
 CASES = [
     ("TransformerEncoderLayer", False, "relu", True, True, False, True, None),
     ("TransformerEncoderLayer", True, "gelu", False, False, False, False, "bool"),

@@ -222,7 +222,8 @@ def test_processes_started_together_prepare_the_digits_once(tmp_path):
 
 def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monkeypatch):
     """The digits fit in memory and are decoded once; the stream equals the one that decodes
-    every record as it is read (IN_MEMORY_BYTES = 0: the pipeline as it was before), batch for batch."""
+    every record as it is read (IN_MEMORY_BYTES = 0: the pipeline as it was before), batch for
+    batch."""
 
     class CountingSource:
         def __init__(self, source):

@@ -1,4 +1,5 @@
-"""attnjax/export.py: the exported programs of trained runs equal the live models, without attnjax."""
+"""attnjax/export.py: the exported programs of trained runs equal the live models, without
+attnjax."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, assert_close, trained_runs
+from helpers import ROOT, assert_close
 
 from attnjax import data
 from attnjax.inference import export
@@ -18,20 +19,18 @@ from attnjax.tasks import classification
 from attnjax.tasks import prior as prior_task
 from attnjax.train import checkpoint
 
-
-@pytest.fixture(scope="module")
-def runs(digits_dir, tmp_path_factory):
-    return trained_runs(digits_dir, str(tmp_path_factory.mktemp("runs")))
+# One worker reads the trained runs, so that no other waits for them to be trained.
+pytestmark = pytest.mark.xdist_group("trained_runs")
 
 
-def test_exported_classifier_equals_the_live_model(runs, tmp_path, digits_dir):
+def test_exported_classifier_equals_the_live_model(trained_runs, tmp_path, digits_dir):
     path = str(tmp_path / "vit.jaxexport")
-    manifest = export.export_workdir(runs["vit"], path)
+    manifest = export.export_workdir(trained_runs["vit"], path)
     assert manifest["task"] == "classification" and manifest["step"] == 4
     test = data.load_source("digits", "test", digits_dir)
     images = np.stack([data.resize(np.asarray(test[i]["image"]), 8) for i in range(7)])
     images = (images.astype(np.float32) / 255.0 - 0.5) / 0.5
-    _, predict = classification.make_predict(runs["vit"])
+    _, predict = classification.make_predict(trained_runs["vit"])
     exported = export.load(path)
     for batch in (images, images[:3]):  # one program, any batch size
         assert_close(
@@ -43,11 +42,11 @@ def test_exported_classifier_equals_the_live_model(runs, tmp_path, digits_dir):
         )
 
 
-def test_exported_vqgan_and_prior_equal_the_live_models(runs, tmp_path):
+def test_exported_vqgan_and_prior_equal_the_live_models(trained_runs, tmp_path):
     vqgan_path, prior_path = str(tmp_path / "vqgan.jaxexport"), str(tmp_path / "prior.jaxexport")
-    export.export_workdir(runs["vqgan"], vqgan_path)
-    export.export_workdir(runs["prior"], prior_path, number=4)
-    live = prior_task.load_vqgan(runs["vqgan"])
+    export.export_workdir(trained_runs["vqgan"], vqgan_path)
+    export.export_workdir(trained_runs["prior"], prior_path, number=4)
+    live = prior_task.load_vqgan(trained_runs["vqgan"])
     images, _ = prior_task.load_images(live.config.data, "test[:5]", 0)
     codes = live.model.apply(live.variables, images, method=vqgan.VQGAN.encode)[1]
     decoded = live.model.apply(live.variables, codes, method=vqgan.VQGAN.decode_indices)
@@ -64,7 +63,10 @@ def test_exported_vqgan_and_prior_equal_the_live_models(runs, tmp_path):
         what="exported VQGAN decoding",
     )
 
-    config, params = checkpoint.read_config(runs["prior"]), checkpoint.load(runs["prior"])[1]
+    config, params = (
+        checkpoint.read_config(trained_runs["prior"]),
+        checkpoint.load(trained_runs["prior"])[1],
+    )
     labels = np.array([0, 3, 3, 9], np.int32)
     _, expected = prior_task.sample_images(
         prior_task.create_model(config),
@@ -99,9 +101,9 @@ print(json.dumps({"logits": logits.tolist(), "modules": modules}))
 """
 
 
-def test_loader_runs_without_the_model_code(runs, tmp_path):
+def test_loader_runs_without_the_model_code(trained_runs, tmp_path):
     path = str(tmp_path / "vit.jaxexport")
-    export.export_workdir(runs["vit"], path)
+    export.export_workdir(trained_runs["vit"], path)
     images = np.random.default_rng(0).normal(size=(2, 8, 8, 1)).astype(np.float32)
     np.save(tmp_path / "images.npy", images)
     result = subprocess.run(
@@ -113,8 +115,10 @@ def test_loader_runs_without_the_model_code(runs, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert loaded["modules"] == ["attnjax.inference.export"], loaded["modules"]
-    _, predict = classification.make_predict(runs["vit"])
+    # attnjax.inference is an empty package: nothing but the loader itself.
+    expected_modules = ["attnjax.inference", "attnjax.inference.export"]
+    assert loaded["modules"] == expected_modules, loaded["modules"]
+    _, predict = classification.make_predict(trained_runs["vit"])
     assert_close(
         np.array(loaded["logits"]),
         predict(jnp.asarray(images)),
@@ -124,14 +128,14 @@ def test_loader_runs_without_the_model_code(runs, tmp_path):
     )
 
 
-def test_command_line_refuses_to_overwrite_and_names_bad_workdirs(runs, tmp_path):
+def test_command_line_refuses_to_overwrite_and_names_bad_workdirs(trained_runs, tmp_path):
     out = tmp_path / "vit.jaxexport"
     command = [
         sys.executable,
         "-m",
         "attnjax.inference.export",
         "--workdir",
-        runs["vit"],
+        trained_runs["vit"],
         "--out",
         str(out),
     ]
@@ -145,7 +149,7 @@ def test_command_line_refuses_to_overwrite_and_names_bad_workdirs(runs, tmp_path
     with pytest.raises(ValueError, match="holds no checkpoint"):
         export.export_workdir(str(tmp_path / "nothing"), str(tmp_path / "x.jaxexport"))
     with pytest.raises(ValueError, match="--number must be >= 1, got 0"):
-        export.export_workdir(runs["prior"], str(tmp_path / "p.jaxexport"), number=0)
+        export.export_workdir(trained_runs["prior"], str(tmp_path / "p.jaxexport"), number=0)
     with pytest.raises(ValueError, match="holds no manifest"):
         np.savez(tmp_path / "other.npz", x=np.zeros(2))
         export.load(str(tmp_path / "other.npz"))

@@ -7,7 +7,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, trained_runs
+from helpers import ROOT
 from PIL import Image
 
 from attnjax import data
@@ -16,10 +16,13 @@ from attnjax.inference import generate
 from attnjax.tasks import prior as prior_task
 from attnjax.train import checkpoint
 
+# One worker reads the trained runs, so that no other waits for them to be trained.
+pytestmark = pytest.mark.xdist_group("trained_runs")
 
-@pytest.fixture(scope="module")
-def prior_workdir(digits_dir, tmp_path_factory):
-    return trained_runs(digits_dir, str(tmp_path_factory.mktemp("runs")))["prior"]
+
+@pytest.fixture
+def prior_workdir(trained_runs):
+    return trained_runs["prior"]
 
 
 def read_png(path):

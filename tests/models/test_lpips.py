@@ -1,5 +1,5 @@
-"""attnjax.models.lpips against the ``lpips`` package (0.1.4): a random VGG16 trunk (no download) and
-the linear-layer weights the package ships, converted by attnjax.convert.lpips."""
+"""attnjax.models.lpips against the ``lpips`` package (0.1.4): a random VGG16 trunk (no download)
+and the linear-layer weights the package ships, converted by attnjax.convert.lpips."""
 
 import jax.numpy as jnp
 import numpy as np

@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def np_rotation(e, q):
-    """Fifty et al.'s R = I - 2 r r^T + 2 q_hat e_hat^T and lambda = ||q|| / ||e||, for one vector."""
+    """Fifty et al.'s R = I - 2 r r^T + 2 q_hat e_hat^T and lambda = ||q|| / ||e||, for one
+    vector."""
     e_hat, q_hat = e / np.linalg.norm(e), q / np.linalg.norm(q)
     r = (e_hat + q_hat) / np.linalg.norm(e_hat + q_hat)
     rotation = np.eye(len(e)) - 2 * np.outer(r, r) + 2 * np.outer(q_hat, e_hat)
@@ -250,12 +251,20 @@ SHARDED = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from attnjax.models import quantizers
     assert jax.device_count() == 8
+
+    def max_difference(a, b):
+        return max(
+            float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+        )
+
     z = jnp.asarray(np.random.default_rng(0).normal(size=(16, 2, 2, 12)).astype(np.float32))
     out = {}
     for kind in ("lfq", "simvq", "fsq"):
         one = quantizers.make_quantizer(16, 12, kind=kind, fsq_levels=(4, 4))
         variables = one.init(jax.random.key(0), z)
-        keys = ("loss", "perplexity", "codebook_usage") + (("batch_entropy", "per_sample_entropy") if kind == "lfq" else ())
+        keys = ("loss", "perplexity", "codebook_usage")
+        if kind == "lfq":
+            keys += ("batch_entropy", "per_sample_entropy")
         def stats(q, v, x):
             quantized, indices, aux = q.apply(v, x)
             return quantized, indices, {k: aux[k] for k in keys}
@@ -264,21 +273,26 @@ SHARDED = textwrap.dedent("""
         ref = stats(one, variables, z)
         ref_grad = jax.grad(loss)(variables, z)
         # jit over a mesh: the batch sharded over 8 devices, the statistics global.
-        sharded = jax.device_put(z, NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data")))
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        sharded = jax.device_put(z, NamedSharding(mesh, P("data")))
         jitted = jax.jit(lambda v, x: stats(one, v, x))(variables, sharded)
         jit_grad = jax.jit(jax.grad(loss))(variables, sharded)
         # pmap: each device sees 2 examples; the quantizer syncs its statistics over "data".
-        per_device = quantizers.make_quantizer(16, 12, kind=kind, fsq_levels=(4, 4), axis_name="data")
-        pmapped = jax.pmap(lambda x: stats(per_device, variables, x), axis_name="data")(z.reshape(8, 2, 2, 2, 12))
+        per_device = quantizers.make_quantizer(
+            16, 12, kind=kind, fsq_levels=(4, 4), axis_name="data")
+        pmapped = jax.pmap(lambda x: stats(per_device, variables, x), axis_name="data")(
+            z.reshape(8, 2, 2, 2, 12))
         out[kind] = {
-            "jit": max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(ref))),
-            "jit_grad": max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(jit_grad), jax.tree.leaves(ref_grad))),
+            "jit": max_difference(jitted, ref),
+            "jit_grad": max_difference(jit_grad, ref_grad),
             "pmap_outputs": float(jnp.max(jnp.abs(pmapped[0].reshape(z.shape) - ref[0]))),
             "pmap_indices": bool(jnp.all(pmapped[1].reshape(ref[1].shape) == ref[1])),
             # Losses are per-device means (the train step pmeans them); statistics are global.
             "pmap_loss": [float(pmapped[2]["loss"].mean()), float(ref[2]["loss"])],
-            "pmap_stats": {k: [float(pmapped[2][k].min()), float(pmapped[2][k].max()), float(ref[2][k])]
-                           for k in keys if k != "loss"},
+            "pmap_stats": {
+                k: [float(pmapped[2][k].min()), float(pmapped[2][k].max()), float(ref[2][k])]
+                for k in keys if k != "loss"
+            },
         }
     # The VQGAN task's step under pmap (2 examples per device) equals one device on the batch.
     from functools import partial
@@ -293,13 +307,17 @@ SHARDED = textwrap.dedent("""
     state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, {"image": images})
     step = partial(vqgan_task.train_step, config=config, model=model)
     one_state, one_metrics = jax.jit(step)(state, {"image": images}, jax.random.PRNGKey(1))
-    p_state, p_metrics = jax.pmap(partial(step, axis_name="data"), axis_name="data", in_axes=(0, 0, None))(
-        jax.tree.map(lambda x: jnp.stack([x] * 8), state), {"image": images.reshape(8, 2, 8, 8, 1)},
+    p_step = jax.pmap(partial(step, axis_name="data"), axis_name="data", in_axes=(0, 0, None))
+    p_state, p_metrics = p_step(
+        jax.tree.map(lambda x: jnp.stack([x] * 8), state),
+        {"image": images.reshape(8, 2, 8, 8, 1)},
         jax.random.PRNGKey(1))
     out["vqgan_task_pmap"] = {
-        "metrics": {k: [float(p_metrics[k][0]), float(one_metrics[k])] for k in ("loss", "perplexity", "codebook_usage")},
-        "params": max(float(jnp.max(jnp.abs(a[0] - b))) for a, b in zip(jax.tree.leaves(p_state.params),
-                                                                        jax.tree.leaves(one_state.params))),
+        "metrics": {
+            k: [float(p_metrics[k][0]), float(one_metrics[k])]
+            for k in ("loss", "perplexity", "codebook_usage")
+        },
+        "params": max_difference(jax.tree.map(lambda x: x[0], p_state.params), one_state.params),
     }
     print(json.dumps(out))
 """)

@@ -1,4 +1,5 @@
-"""attnjax/sampling.py: the cached sampler against full recompute and the model's own forward pass."""
+"""attnjax/sampling.py: the cached sampler against full recompute and the model's own forward
+pass."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
-"""Properties of attnjax.models.transformer that need no PyTorch: masks, layout, dropout, bad input."""
+"""Properties of attnjax.models.transformer that need no PyTorch: masks, layout, dropout, bad
+input."""
 
 import jax
 import jax.numpy as jnp

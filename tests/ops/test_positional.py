@@ -1,4 +1,5 @@
-"""attnjax.ops.positional against the written formula, timm's resampling and Flax's transformations."""
+"""attnjax.ops.positional against the written formula, timm's resampling and Flax's
+transformations."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ from attnjax.ops import positional
 
 
 def formula(positions, dim, base=10000.0):
-    """PE[pos, 2i] = sin(pos / base^(2i/dim)), PE[pos, 2i+1] = cos(same), in float64, entry by entry."""
+    """PE[pos, 2i] = sin(pos / base^(2i/dim)), PE[pos, 2i+1] = cos(same), in float64, entry by
+    entry."""
     table = np.zeros((len(positions), dim))
     for row, pos in enumerate(positions):
         for column in range(dim):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import logging
-from helpers import assert_close, count_compilations, load_config
+from helpers import assert_close, count_compilations, load_config, tiny_vqgan_config
 
 from attnjax import data
 from attnjax.models import lpips
@@ -18,33 +18,11 @@ from attnjax.tasks import vqgan as vqgan_task
 from attnjax.train import checkpoint
 
 
-def tiny(data_dir, **overrides):
-    config = load_config("vqgan_digits")
-    config.data.data_dir = data_dir
-    config.data.eval_split = "test[:64]"
-    config.model.ddconfig.update(
-        ch_mult=(1,), num_res_blocks=1
-    )  # f=1: the fewest layers to compile
-    config.update(
-        dict(
-            batch_size=16,
-            eval_batch_size=64,
-            warmup_steps=1,
-            log_every=2,
-            eval_every=4,
-            checkpoint_every=4,
-            quiet=True,
-        ),
-        **overrides,
-    )
-    return config
-
-
 def test_short_run_with_gan(digits_dir, tmp_path):
     """The digits config (l2 codes + re-seeding) with the PatchGAN from step 4: both sides of
     disc_start, the metrics and PNGs a person looks at, and a checkpoint that
     ``inference_model`` turns back into the evaluated autoencoder."""
-    config = tiny(digits_dir, num_train_steps=8, eval_every=8, checkpoint_every=8)
+    config = tiny_vqgan_config(digits_dir, num_train_steps=8, eval_every=8, checkpoint_every=8)
     config.loss.update(disc_start=4, disc_weight=0.8)
     config.discriminator.update(ndf=8, n_layers=1)
     workdir = str(tmp_path)
@@ -101,7 +79,7 @@ def test_lpips_weights_come_from_a_converted_file(tmp_path):
 def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_dir):
     """eval/g_loss and eval/disc_loss follow config.loss (vanilla loss, disc_factor 0.5), over the
     real examples only, with the discriminator in eval mode."""
-    config = tiny(digits_dir)
+    config = tiny_vqgan_config(digits_dir)
     config.loss.update(disc_weight=0.8, disc_loss="vanilla", disc_factor=0.5, disc_start=0)
     config.discriminator.update(ndf=8, n_layers=1)
     model = vqgan_task.create_model(config)
@@ -127,7 +105,7 @@ def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_di
 
 def test_image_writing_compiles_once(digits_dir, tmp_path):
     """A second evaluation's PNGs reuse the compiled decoder: no new XLA compilation."""
-    config = tiny(digits_dir)
+    config = tiny_vqgan_config(digits_dir)
     model = vqgan_task.create_model(config)
     batch = next(iter(data.make_datasets(config).eval))
     state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)

@@ -5,6 +5,7 @@ from typing import Any
 
 import chex
 import flax
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -71,7 +72,7 @@ def test_save_restore_roundtrip_and_max_to_keep(tmp_path):
     assert checkpoint.latest_step(workdir) == 3
     ckpt = checkpoint.Checkpointer(workdir, config)
     assert ckpt.manager.all_steps() == [2, 3]
-    iterator = data.make_iterator(data.grain.MapDataset.range(100))
+    iterator = data.make_iterator(grain.MapDataset.range(100))
     restored = ckpt.restore(make_state(0), iterator)
     ckpt.close()
     assert_trees_equal(restored, make_state(3))

@@ -21,19 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, load_config
+from helpers import ROOT, tiny_vit_config, tiny_vit_flags
 
 from attnjax.tasks import train_and_evaluate
 from attnjax.train import checkpoint, nonfinite, optim, preemption, workdir_lock
 
+# One worker runs this module, so that its uninterrupted reference run is trained once.
+pytestmark = pytest.mark.xdist_group("faults")
+
 STEPS = 200
 FLAGS = [
-    "--config.model.width=16",
-    "--config.model.depth=1",
-    "--config.model.num_heads=2",
-    "--config.model.mlp_dim=32",
-    "--config.batch_size=16",
-    "--config.eval_batch_size=40",
+    *tiny_vit_flags(),
     "--config.warmup_steps=5",
     f"--config.num_train_steps={STEPS}",
     "--config.log_every=25",
@@ -58,34 +56,19 @@ def command(workdir, digits_dir, *extra):
 
 
 def config_like_flags(digits_dir, **overrides):
-    config = load_config("vit_digits")
-    config.data.data_dir = digits_dir
-    config.model.update(width=16, depth=1, num_heads=2, mlp_dim=32, dropout_rate=0.1)
-    config.update(
-        dict(
-            batch_size=16,
-            eval_batch_size=40,
-            warmup_steps=5,
-            num_train_steps=STEPS,
-            log_every=25,
-            eval_every=100,
-            checkpoint_every=25,
-            quiet=True,
-        ),
-        **overrides,
+    settings = dict(
+        warmup_steps=5, num_train_steps=STEPS, log_every=25, eval_every=100, checkpoint_every=25
     )
+    config = tiny_vit_config(digits_dir, **{**settings, **overrides})
+    config.model.dropout_rate = 0.1
     return config
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    # Every run compiles the same programs: later ones load them from this cache.
-    cache = str(tmp_path_factory.mktemp("jax_cache"))
-    return {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": cache,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+def env():
+    # Every run compiles the same programs: later ones load them from the suite's compilation
+    # cache (conftest.py), which the environment names.
+    return dict(os.environ)
 
 
 @pytest.fixture(scope="module")

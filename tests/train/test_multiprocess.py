@@ -13,9 +13,13 @@ import time
 import flax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_close
+from helpers import ROOT, assert_close, tiny_vit_flags
 
 from attnjax.train import checkpoint, launch, parallel
+
+# Each test runs 2 or more JAX processes (a 2-core machine has room for no more): one xdist
+# worker runs them all, one at a time.
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 # SGD: Adam divides each gradient by its own magnitude, so parameters whose true gradient is
 # zero (attention key biases: softmax ignores them) would move by rounding noise, which differs
@@ -23,12 +27,7 @@ from attnjax.train import checkpoint, launch, parallel
 VIT_FLAGS = (
     "--config.optimizer=sgd",
     "--config.learning_rate=0.3",
-    "--config.model.width=16",
-    "--config.model.depth=1",
-    "--config.model.num_heads=2",
-    "--config.model.mlp_dim=32",
-    "--config.batch_size=16",
-    "--config.eval_batch_size=40",
+    *tiny_vit_flags(),
     "--config.warmup_steps=2",
     "--config.log_every=10",
     "--config.eval_every=20",
@@ -47,8 +46,13 @@ def train_command(config, data_dir, workdir, *flags):
     ]
 
 
+def env_without_jax_settings():
+    """The environment less JAX's settings, but for the suite's compilation cache."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or "CACHE" in k}
+
+
 def env_with_devices(devices):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env = env_without_jax_settings()
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     return env
 
@@ -66,7 +70,7 @@ def run_one_process(command, devices):
 
 
 def launcher(command, processes, devices_per_process):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env = env_without_jax_settings()
     return subprocess.Popen(
         [
             sys.executable,

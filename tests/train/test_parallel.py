@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import flax
+import grain
 import jax
 import numpy as np
 import pytest
@@ -44,7 +45,16 @@ EIGHT_DEVICES = textwrap.dedent("""
 """)
 
 
-def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
+@pytest.fixture(scope="module")
+def one_device_run(digits_dir, tmp_path_factory):
+    """tiny_config trained in this (one-device) process -> (final metrics, flat params)."""
+    workdir = str(tmp_path_factory.mktemp("one"))
+    metrics = train_and_evaluate(tiny_config(digits_dir), workdir)
+    return metrics, flax.traverse_util.flatten_dict(checkpoint.load(workdir)[1], sep="/")
+
+
+@pytest.mark.xdist_group("one_device_run")  # the reference is trained once, on one worker
+def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, one_device_run, tmp_path):
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
@@ -62,9 +72,7 @@ def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
 
-    one = train_and_evaluate(tiny_config(digits_dir), str(tmp_path / "one"))
-    _, params = checkpoint.load(str(tmp_path / "one"))
-    reference = flax.traverse_util.flatten_dict(params, sep="/")
+    one, reference = one_device_run
     for mode in ("jit", "pmap"):
         with np.load(tmp_path / f"{mode}.npz") as got:
             assert sorted(got.files) == sorted(reference)
@@ -109,7 +117,10 @@ CPU_CORES_AS_DEVICES = textwrap.dedent("""
 """)
 
 
-def test_cpu_devices_per_config_and_a_subset_equals_one_device(digits_dir, tmp_path):
+@pytest.mark.xdist_group("one_device_run")
+def test_cpu_devices_per_config_and_a_subset_equals_one_device(
+    digits_dir, one_device_run, tmp_path
+):
     """use_cpu_cores gives the process the largest count its configs ask for; a config that asks
     for fewer trains on the first of them, with the values of a one-device process."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -133,8 +144,7 @@ def test_cpu_devices_per_config_and_a_subset_equals_one_device(digits_dir, tmp_p
         "after": 4,
     }, result
 
-    train_and_evaluate(tiny_config(digits_dir), str(tmp_path / "one"))
-    reference = flax.traverse_util.flatten_dict(checkpoint.load(str(tmp_path / "one"))[1], sep="/")
+    _, reference = one_device_run
     with np.load(tmp_path / "first_of_4.npz") as got:
         assert sorted(got.files) == sorted(reference)
         for key, value in reference.items():
@@ -156,7 +166,7 @@ def test_cpu_devices_wanted_divides_the_batches_and_rejects_negatives(digits_dir
 
 
 def test_prefetcher_state_is_that_of_the_consumed_batch():
-    source = data.grain.MapDataset.range(10).batch(2)
+    source = grain.MapDataset.range(10).batch(2)
     iterator = data.make_iterator(source)
     prefetcher = parallel.Prefetcher(iterator, put=lambda b: b * 1, size=3)
     batch, state = next(prefetcher)
