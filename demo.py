@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
+from attnjax import data
 from attnjax.data.images import save_image_grid
 from attnjax.inference import generate
 from attnjax.tasks import classification as classification_task
@@ -97,10 +98,8 @@ def run_stage(name: str, config, workdir: str, previous: dict) -> dict:
 
 def vit_inputs(images, vqgan_data, vit_data):
     """VQGAN-space images -> the ViT's normalisation (pixels clipped to [0, 1] on the way)."""
-    pixels = np.clip(
-        np.asarray(images) * np.asarray(vqgan_data.std) + np.asarray(vqgan_data.mean), 0.0, 1.0
-    )
-    return (pixels - np.asarray(vit_data.mean, np.float32)) / np.asarray(vit_data.std, np.float32)
+    pixels = np.clip(data.denormalize(np.asarray(images), vqgan_data), 0.0, 1.0)
+    return data.normalize(pixels, vit_data)
 
 
 def classify(predict, images, batch_size=256):
@@ -139,9 +138,7 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
     )
     shown = np.concatenate([images[labels == c][:10] for c in range(prior_config.num_classes)])
     save_image_grid(shown, path, nrow=10, scale=4)
-    vit_images = (
-        np.clip(images, 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)
-    ) / np.asarray(vit_config.data.std, np.float32)
+    vit_images = data.normalize(np.clip(images, 0.0, 1.0), vit_config.data)
     predicted = classify(predict, vit_images)
     per_class_accuracy = [
         float(np.mean(predicted[labels == c] == c)) for c in range(prior_config.num_classes)
@@ -161,9 +158,7 @@ def complete_and_classify(prior_workdir, vit_config, predict, number, path, show
         [result[name][:shown] for name in ("originals", "kept", "completions")]
     )
     save_image_grid(pictures, path, nrow=min(shown, number), scale=4)
-    vit_images = (
-        np.clip(result["completions"], 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)
-    ) / np.asarray(vit_config.data.std, np.float32)
+    vit_images = data.normalize(np.clip(result["completions"], 0.0, 1.0), vit_config.data)
     return float(np.mean(classify(predict, vit_images) == result["labels"]))
 
 

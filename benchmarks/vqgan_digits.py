@@ -82,22 +82,15 @@ def reconstruction_accuracy(workdir, vit_workdir):
         [data.resize(np.asarray(source[i]["image"]), size) for i in range(len(source))]
     )
     labels = np.array([int(source[i]["label"]) for i in range(len(source))])
-    x = (images.astype(np.float32) / 255.0 - np.asarray(run_config.data.mean)) / np.asarray(
-        run_config.data.std
-    )
-    rec, _ = model.apply(variables, jnp.asarray(x))
-    pixels = np.clip(
-        np.asarray(rec) * np.asarray(run_config.data.std) + np.asarray(run_config.data.mean), 0, 1
-    )
+    rec, _ = model.apply(variables, jnp.asarray(data.normalize(images, run_config.data)))
+    pixels = np.clip(data.denormalize(np.asarray(rec), run_config.data), 0, 1)
     if vit_config.data.image_size not in (0, size):
         raise ValueError(
             f"the ViT expects {vit_config.data.image_size}x{vit_config.data.image_size} images, "
             f"the VQGAN makes {size}x{size}"
         )
-    vit_in = (pixels - np.asarray(vit_config.data.mean)) / np.asarray(vit_config.data.std)
-    original = (images.astype(np.float32) / 255.0 - np.asarray(vit_config.data.mean)) / np.asarray(
-        vit_config.data.std
-    )
+    vit_in = data.normalize(pixels, vit_config.data)
+    original = data.normalize(images, vit_config.data)
     accuracy = lambda a: float(
         np.mean(np.argmax(np.asarray(predict(jnp.asarray(a))), -1) == labels)
     )

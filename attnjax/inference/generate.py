@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax import data
 from attnjax.data.images import save_image_grid
 from attnjax.models import gpt, sampling
 from attnjax.tasks import prior as prior_task
@@ -107,10 +108,7 @@ def decode(run: TrainedPrior, codes) -> np.ndarray:
     decoded = vqgan_task.compiled_method(run.vqgan.model, "decode_indices")(
         run.vqgan.variables, jnp.asarray(codes, jnp.int32)
     )
-    data = run.vqgan.config.data
-    return np.asarray(decoded) * np.asarray(data.std, np.float32) + np.asarray(
-        data.mean, np.float32
-    )
+    return data.denormalize(np.asarray(decoded), run.vqgan.config.data)
 
 
 def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **settings) -> dict:
@@ -129,8 +127,7 @@ def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **setti
     completed = sampling.complete(
         run.model, run.params, prefix, codes, rows, rng, null_prefix=null, **settings
     )
-    data = run.vqgan.config.data
-    originals = images * np.asarray(data.std, np.float32) + np.asarray(data.mean, np.float32)
+    originals = data.denormalize(images, run.vqgan.config.data)
     kept = decode(run, codes)
     kept[:, rows * kept.shape[1] // height :] = 0.5
     return {

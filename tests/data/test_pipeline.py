@@ -241,7 +241,7 @@ def test_decoding_once_in_memory_leaves_the_stream_unchanged(digits_config, monk
     assert source.reads == 0
     cached = data.make_iterator(data.make_datasets(digits_config).train)
     batches = [next(cached) for _ in range(50)]  # past the first epoch (1437 / 32 batches)
-    monkeypatch.setattr(data, "IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(data.pipeline, "IN_MEMORY_BYTES", 0)
     read_through = data.records_in_memory(source)
     source.reads = 0
     [read_through[i] for i in range(10)]
