@@ -113,7 +113,7 @@ def test_loader_runs_without_the_model_code(runs, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert loaded["modules"] == ["attnjax.inference.export"], loaded["modules"]
+    assert loaded["modules"] == ["attnjax.inference", "attnjax.inference.export"], loaded["modules"]
     _, predict = classification.make_predict(runs["vit"])
     assert_close(
         np.array(loaded["logits"]),
