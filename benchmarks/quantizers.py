@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 
+import configs  # noqa: E402
 import demo  # noqa: E402
 from attnjax.tasks import classification  # noqa: E402
 from attnjax.tasks import prior as prior_task  # noqa: E402
@@ -47,11 +48,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def configs_for(row, vqgan_steps, prior_steps, workdir):
-    vqgan_config = demo.load_config("configs/vqgan_digits.py")
+    vqgan_config = configs.load("vqgan_digits")
     vqgan_config.model.quantizer.update(ROWS[row])
     vqgan_config.num_train_steps = vqgan_steps = vqgan_steps or vqgan_config.num_train_steps
     vqgan_config.eval_every = vqgan_config.checkpoint_every = vqgan_steps
-    prior_config = demo.load_config("configs/prior_digits.py")
+    prior_config = configs.load("prior_digits")
     prior_config.num_train_steps = prior_steps = prior_steps or prior_config.num_train_steps
     prior_config.eval_every = prior_config.checkpoint_every = prior_steps
     prior_config.vqgan_workdir = os.path.join(workdir, "vqgan")
@@ -152,7 +153,7 @@ def main():
     if unknown:
         raise ValueError(f"--rows: unknown rows {unknown}; expected a subset of {list(ROWS)}")
 
-    vit_config = demo.load_config("configs/vit_digits.py")
+    vit_config = configs.load("vit_digits")
     vit_workdir = args.vit_workdir or os.path.join(args.workdir, "vit")
     vit_stage = demo.run_stage("vit", vit_config, vit_workdir, {})
     _, predict = classification.make_predict(vit_workdir)

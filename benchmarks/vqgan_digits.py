@@ -11,7 +11,6 @@ that classifier on the reconstructions. Results go to ``benchmarks/results/vqgan
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+import configs
 from attnjax import data
 from attnjax.tasks import classification, train_and_evaluate, vqgan
 from attnjax.train import checkpoint
@@ -44,17 +44,8 @@ VARIANTS = {
 }
 
 
-def load_config():
-    spec = importlib.util.spec_from_file_location(
-        "vqgan_digits", ROOT / "configs" / "vqgan_digits.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def configure(name, steps):
-    config = load_config()
+    config = configs.load("vqgan_digits")
     overrides = VARIANTS[name]
     config.num_train_steps = steps
     config.eval_every = config.checkpoint_every = steps

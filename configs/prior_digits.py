@@ -7,11 +7,7 @@ The VQGAN turns a 16x16 digit into a 4x4 grid of codes; this GPT learns p(codes 
 those 16 tokens in raster order, the class as a prefix token.
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

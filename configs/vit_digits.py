@@ -3,11 +3,7 @@
 python train.py --config configs/vit_digits.py --workdir runs/digits
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

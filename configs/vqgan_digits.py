@@ -17,13 +17,9 @@ reaches 24.87 dB with all codes used in 101 s (``make demo``'s stage). The digit
 (configs/vit_digits.py) classifies 99.4% of the reconstructions right.
 """
 
-import pathlib
-import sys
-
 import ml_collections
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

@@ -2,13 +2,13 @@
 
 import contextlib
 import functools
-import importlib.util
 import os
 
 import flax
 import jax
 import numpy as np
 
+import configs
 from attnjax import data
 from attnjax.tasks import classification, train_and_evaluate
 from attnjax.train import parallel, sharding
@@ -230,7 +230,4 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return configs.load(name)

@@ -6,12 +6,13 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import configs
 import demo  # noqa: E402
 from attnjax.train import checkpoint
 
 
 def _tiny_vit_config():
-    config = demo.load_config("configs/vit_digits.py")
+    config = configs.load("vit_digits")
     config.model.width, config.model.depth, config.model.num_heads, config.model.mlp_dim = (
         16,
         1,
