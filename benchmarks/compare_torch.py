@@ -141,17 +141,19 @@ def main():
 
     print(
         f"\nattnjax jit vs torch eager on {meta['cpu']} ({meta['cores']} cores, torch threads "
-        f"{meta['torch_threads']}), jax {meta['jax']} {meta['jax_backend']}, torch {meta['torch']} {device()}; "
-        f"median of {repeats} after warm-up\n"
+        f"{meta['torch_threads']}), jax {meta['jax']} {meta['jax_backend']}, torch {meta['torch']} "
+        f"{device()}; median of {repeats} after warm-up\n"
     )
     print(
-        "| workload | attnjax ms | torch ms | torch / attnjax | attnjax devices | compile s | XLA temp MiB | RSS growth MiB |"
+        "| workload | attnjax ms | torch ms | torch / attnjax | attnjax devices | compile s "
+        "| XLA temp MiB | RSS growth MiB |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['workload']} | {r['attnjax_ms']:.1f} | {r['torch_ms']:.1f} | {r['speedup']:.2f} | {r['attnjax_devices']} | "
-            f"{r['attnjax_compile_s']:.1f} | {r['attnjax_xla_temp_mib']:.0f} | {r['rss_growth_mib']:.0f} |"
+            f"| {r['workload']} | {r['attnjax_ms']:.1f} | {r['torch_ms']:.1f} | {r['speedup']:.2f} "
+            f"| {r['attnjax_devices']} | {r['attnjax_compile_s']:.1f} "
+            f"| {r['attnjax_xla_temp_mib']:.0f} | {r['rss_growth_mib']:.0f} |"
         )
     speedups = [r["speedup"] for r in results]
     print(f"\ngeometric mean torch / attnjax: {float(np.exp(np.mean(np.log(speedups)))):.2f}")

@@ -101,7 +101,8 @@ def vit_row(variant, image_size, batch, train, num_classes):
     images = rng.standard_normal((batch, image_size, image_size, 3)).astype(np.float32)
     labels = rng.integers(0, num_classes, batch)
     timages, tlabels = nchw(images), to_torch(labels)
-    name = f"ViT {variant} {image_size}px {'train step (AdamW)' if train else 'inference'}, batch {batch}"
+    what = "train step (AdamW)" if train else "inference"
+    name = f"ViT {variant} {image_size}px {what}, batch {batch}"
     if not train:
 
         def forward(params, images):

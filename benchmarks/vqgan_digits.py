@@ -1,7 +1,8 @@
 """VQGAN on the digits: codebook options, GAN and perceptual terms, and how the
 reconstructions classify. Produces the README's VQGAN numbers.
 
-    python benchmarks/vqgan_digits.py --steps 800 --vit_workdir runs/vit_digits [--variants plain,l2_reseed]
+    python benchmarks/vqgan_digits.py --steps 800 --vit_workdir runs/vit_digits \\
+        [--variants plain,l2_reseed]
 
 Each variant is ``configs/vqgan_digits.py`` with a few overrides, trained with the real loop in
 ``runs/bench_vqgan/<variant>``; the table reports held-out PSNR (pixels in [0, 1]), codebook
