@@ -48,10 +48,11 @@ def get_config():
         True  # cosine codes: plain lookup uses ~30% of the codebook
     )
     config.model.quantizer.usage_decay = 0.95  # per-code usage average read by the re-seeding
-    # kind=lfq, held-out PSNR at 800 steps: commitment 0.01 -> 24.0 / 24.1 dB (seeds 0 / 1), 0.05 -> 23.9,
-    # MAGVIT-v2's 0.25 -> 23.5, 0 -> 23.0 with 23% of the codes; entropy weight 0.02 (at commitment
-    # 0.25: 0.005 -> 23.2, MAGVIT-v2's 0.1 -> 22.9; at 0.01: 0.05 -> 23.8); entropy temperature 0.1
-    # (24.1 dB at seed 0; 0.01 leaves the code distribution one-hot almost everywhere)
+    # kind=lfq, held-out PSNR at 800 steps: commitment 0.01 -> 24.0 / 24.1 dB (seeds 0 / 1), 0.05 ->
+    # 23.9, MAGVIT-v2's 0.25 -> 23.5, 0 -> 23.0 with 23% of the codes; entropy weight 0.02 (at
+    # commitment 0.25: 0.005 -> 23.2, MAGVIT-v2's 0.1 -> 22.9; at 0.01: 0.05 -> 23.8); entropy
+    # temperature 0.1 (24.1 dB at seed 0; 0.01 leaves the code distribution one-hot almost
+    # everywhere)
     config.model.quantizer.lfq_entropy_weight = 0.02
     config.model.quantizer.lfq_commitment_weight = 0.01
     config.model.quantizer.lfq_temperature = 0.1

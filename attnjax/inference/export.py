@@ -1,4 +1,4 @@
-"""Serialized inference: a trained workdir's jit-compiled functions as one file, run without attnjax.
+"""Serialized inference: a trained run's jit-compiled functions in one file, run without attnjax.
 
     python -m attnjax.inference.export --workdir runs/demo/vit --out vit.jaxexport
 

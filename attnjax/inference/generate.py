@@ -1,18 +1,19 @@
 """Sample digits (or any images) from a trained prior run, and write them as a PNG.
 
-    python -m attnjax.inference.generate --workdir runs/demo/prior                  # every class, a row each
-    python -m attnjax.inference.generate --workdir runs/demo/prior --class 3 --number 16 --temperature 0.8
-    python -m attnjax.inference.generate --workdir runs/demo/prior --grid 4x8      # sliding window, wider
+    python -m attnjax.inference.generate --workdir runs/demo/prior  # every class, a row each
+    python -m attnjax.inference.generate --workdir runs/demo/prior --class 3 --number 16 \\
+        --temperature 0.8
+    python -m attnjax.inference.generate --workdir runs/demo/prior --grid 4x8  # a wider grid
     python -m attnjax.inference.generate --workdir runs/demo/prior --complete 8 --rows 2
 
-Three modes (``attnjax.models.sampling``): plain class-conditional sampling of the trained code grid;
-``--grid HxW``, a grid at least the trained one sampled with taming's sliding window; and
+Three modes (``attnjax.models.sampling``): plain class-conditional sampling of the trained code
+grid; ``--grid HxW``, a grid at least the trained one sampled with taming's sliding window; and
 ``--complete N``, the first ``N`` held-out images of the VQGAN's dataset encoded, their first
-``--rows`` code rows kept and the rest sampled given their class (PNG rows: originals, the kept
-rows with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p`` and
-``--guidance`` default to the run's ``config.sampling``. The PNG goes to ``--out`` (default
-``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten
-without ``--force``.
+``--rows`` code rows kept and the rest sampled given their class (PNG rows: originals, the kept rows
+with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p`` and ``--guidance``
+default to the run's ``config.sampling``. The PNG goes to ``--out`` (default
+``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten without
+``--force``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def load_prior(workdir: str, step: int | None = None) -> TrainedPrior:
 def sampling_settings(
     run: TrainedPrior, *, temperature=None, top_k=None, top_p=None, guidance=None
 ) -> dict:
-    """Keyword arguments of ``attnjax.models.sampling``'s samplers: the given values, else the run's."""
+    """Keyword arguments of ``attnjax.models.sampling``'s samplers: the given values, else the
+    run's."""
     config = run.config.sampling
     trained_guidance = prior_task.sampling_guidance(run.config)
     if guidance is not None and not prior_task.trained_with_null_class(run.config):
