@@ -26,7 +26,6 @@ interrupted stage resumes from its last checkpoint.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -39,6 +38,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
+import configs
+from attnjax import data
 from attnjax.data.images import save_image_grid
 from attnjax.inference import generate
 from attnjax.tasks import classification as classification_task
@@ -46,20 +47,11 @@ from attnjax.tasks import prior as prior_task
 from attnjax.tasks import train_and_evaluate
 from attnjax.train import checkpoint, parallel, report
 
-ROOT = pathlib.Path(__file__).resolve().parent
 STAGES = (
-    ("vit", "configs/vit_digits.py"),
-    ("vqgan", "configs/vqgan_digits.py"),
-    ("prior", "configs/prior_digits.py"),
+    ("vit", "vit_digits"),
+    ("vqgan", "vqgan_digits"),
+    ("prior", "prior_digits"),
 )
-
-
-def load_config(path):
-    """``get_config()`` of a config file (the ``configs/*.py`` convention)."""
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def last_eval(workdir: str) -> dict:
@@ -97,10 +89,8 @@ def run_stage(name: str, config, workdir: str, previous: dict) -> dict:
 
 def vit_inputs(images, vqgan_data, vit_data):
     """VQGAN-space images -> the ViT's normalisation (pixels clipped to [0, 1] on the way)."""
-    pixels = np.clip(
-        np.asarray(images) * np.asarray(vqgan_data.std) + np.asarray(vqgan_data.mean), 0.0, 1.0
-    )
-    return (pixels - np.asarray(vit_data.mean, np.float32)) / np.asarray(vit_data.std, np.float32)
+    pixels = np.clip(data.denormalize(np.asarray(images), vqgan_data), 0.0, 1.0)
+    return data.normalize(pixels, vit_data)
 
 
 def classify(predict, images, batch_size=256):
@@ -139,9 +129,7 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
     )
     shown = np.concatenate([images[labels == c][:10] for c in range(prior_config.num_classes)])
     save_image_grid(shown, path, nrow=10, scale=4)
-    vit_images = (
-        np.clip(images, 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)
-    ) / np.asarray(vit_config.data.std, np.float32)
+    vit_images = data.normalize(np.clip(images, 0.0, 1.0), vit_config.data)
     predicted = classify(predict, vit_images)
     per_class_accuracy = [
         float(np.mean(predicted[labels == c] == c)) for c in range(prior_config.num_classes)
@@ -161,9 +149,7 @@ def complete_and_classify(prior_workdir, vit_config, predict, number, path, show
         [result[name][:shown] for name in ("originals", "kept", "completions")]
     )
     save_image_grid(pictures, path, nrow=min(shown, number), scale=4)
-    vit_images = (
-        np.clip(result["completions"], 0.0, 1.0) - np.asarray(vit_config.data.mean, np.float32)
-    ) / np.asarray(vit_config.data.std, np.float32)
+    vit_images = data.normalize(np.clip(result["completions"], 0.0, 1.0), vit_config.data)
     return float(np.mean(classify(predict, vit_images) == result["labels"]))
 
 
@@ -245,28 +231,30 @@ def main(argv=None):
         json.loads(pathlib.Path(summary_path).read_text()) if os.path.exists(summary_path) else {}
     )
 
-    configs = {name: load_config(path) for name, path in STAGES}
-    parallel.use_cpu_cores(*configs.values())
+    stage_configs = {name: configs.load(config) for name, config in STAGES}
+    parallel.use_cpu_cores(*stage_configs.values())
     workdirs = {name: os.path.join(args.workdir, name) for name, _ in STAGES}
-    configs["prior"].vqgan_workdir = workdirs["vqgan"]
-    stages = {name: run_stage(name, configs[name], workdirs[name], previous) for name, _ in STAGES}
+    stage_configs["prior"].vqgan_workdir = workdirs["vqgan"]
+    stages = {
+        name: run_stage(name, stage_configs[name], workdirs[name], previous) for name, _ in STAGES
+    }
 
     eval_start = time.perf_counter()
     _, predict = classification_task.make_predict(workdirs["vit"])
     vqgan = prior_task.load_vqgan(workdirs["vqgan"])
-    recon_accuracy = reconstruction_accuracy(vqgan, configs["vit"], predict)
+    recon_accuracy = reconstruction_accuracy(vqgan, stage_configs["vit"], predict)
     samples_path = os.path.join(args.workdir, "samples.png")
     sample_accuracy, per_class = sample_and_classify(
-        configs["prior"],
+        stage_configs["prior"],
         workdirs["prior"],
-        configs["vit"],
+        stage_configs["vit"],
         predict,
         args.samples_per_class,
         samples_path,
     )
     completions_path = os.path.join(args.workdir, "completions.png")
     completion_accuracy = complete_and_classify(
-        workdirs["prior"], configs["vit"], predict, args.completions, completions_path
+        workdirs["prior"], stage_configs["vit"], predict, args.completions, completions_path
     )
     window_path = os.path.join(args.workdir, "sliding_window.png")
     window_grid = sliding_window_sample(workdirs["prior"], window_path)
@@ -278,8 +266,8 @@ def main(argv=None):
         "prior_bits_per_token": stages["prior"]["metrics"]["eval/bits_per_token"],
         "sample_class_accuracy": sample_accuracy,
         "sample_class_accuracy_per_class": per_class,
-        "num_samples": args.samples_per_class * configs["prior"].num_classes,
-        "sampling": configs["prior"].sampling.to_dict(),
+        "num_samples": args.samples_per_class * stage_configs["prior"].num_classes,
+        "sampling": stage_configs["prior"].sampling.to_dict(),
         "samples_png": samples_path,
         "completion_class_accuracy": completion_accuracy,
         "num_completions": args.completions,

@@ -161,7 +161,8 @@ def main() -> None:
         print(
             f"blocked causal fwd+bwd, {args.batch} x {args.heads} heads x {args.peak_memory} x "
             f"{args.head_dim} float32: {result['forward_backward_ms'] / 1e3:.1f} s (compile "
-            f"{result['forward_backward_compile_s']:.1f} s), peak RSS {result['peak_rss_mib']:.0f} MiB "
+            f"{result['forward_backward_compile_s']:.1f} s), peak RSS {result['peak_rss_mib']:.0f} "
+            "MiB "
             f"(process before the call {result['rss_before_mib']:.0f} MiB), XLA temp "
             f"{result['forward_backward_temp_mib']:.0f} MiB; the explicit path's scores alone: "
             f"{result['explicit_scores_mib']:.0f} MiB"
@@ -201,16 +202,20 @@ def main() -> None:
         f"{'XLA temp MiB: fused':>19} {'explicit':>9} {'blocked':>8}"
     )
     print(
-        f"float32 causal attention, batch {args.batch}, heads {args.heads}, head_dim {args.head_dim}, on {device.device_kind}"
+        f"float32 causal attention, batch {args.batch}, heads {args.heads}, head_dim "
+        f"{args.head_dim}, on {device.device_kind}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['length']:>6} | {r['attnjax_xla_forward_ms']:>13.2f} {r['attnjax_explicit_forward_ms']:>9.2f} "
+            f"{r['length']:>6} | {r['attnjax_xla_forward_ms']:>13.2f} "
+            f"{r['attnjax_explicit_forward_ms']:>9.2f} "
             f"{r['attnjax_blocked_forward_ms']:>8.2f} {r['torch_forward_ms']:>8.2f} | "
-            f"{r['attnjax_xla_forward_backward_ms']:>17.2f} {r['attnjax_explicit_forward_backward_ms']:>9.2f} "
-            f"{r['attnjax_blocked_forward_backward_ms']:>8.2f} {r['torch_forward_backward_ms']:>8.2f} | "
+            f"{r['attnjax_xla_forward_backward_ms']:>17.2f} "
+            f"{r['attnjax_explicit_forward_backward_ms']:>9.2f} "
+            f"{r['attnjax_blocked_forward_backward_ms']:>8.2f} "
+            f"{r['torch_forward_backward_ms']:>8.2f} | "
             f"{r['attnjax_xla_forward_backward_temp_mib']:>19.1f} "
             f"{r['attnjax_explicit_forward_backward_temp_mib']:>9.1f} "
             f"{r['attnjax_blocked_forward_backward_temp_mib']:>8.1f}"

@@ -87,8 +87,8 @@ def main():
     rng = np.random.default_rng(0)
     rows = []
     print(
-        "| maps | c_in -> c_out | count | GFLOP fwd | XLA fwd / dx / dw ms | XLA total | torch fwd+bwd "
-        "| no NNPACK | no oneDNN | torch / XLA |"
+        "| maps | c_in -> c_out | count | GFLOP fwd | XLA fwd / dx / dw ms | XLA total "
+        "| torch fwd+bwd | no NNPACK | no oneDNN | torch / XLA |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for size, c_in, c_out, count in SHAPES:
@@ -110,8 +110,10 @@ def main():
             )
         )
         print(
-            f"| {args.batch}x{size}x{size} | {c_in} -> {c_out} | {count} | {gflop:.2f} | {xla['fwd']:.1f} / "
-            f"{xla['dx']:.1f} / {xla['dw']:.1f} | {total:.1f} | {ref['fwd_bwd']:.1f} | {ref['no_nnpack_fwd_bwd']:.1f} "
+            f"| {args.batch}x{size}x{size} | {c_in} -> {c_out} | {count} | {gflop:.2f} | "
+            f"{xla['fwd']:.1f} / "
+            f"{xla['dx']:.1f} / {xla['dw']:.1f} | {total:.1f} | {ref['fwd_bwd']:.1f} | "
+            f"{ref['no_nnpack_fwd_bwd']:.1f} "
             f"| {ref['no_onednn_fwd_bwd']:.1f} | {ref['fwd_bwd'] / total:.2f} |",
             flush=True,
         )
@@ -120,7 +122,8 @@ def main():
         sum(r["count"] * r["torch_ms"]["fwd_bwd"] for r in rows),
     )
     print(
-        f"\nweighted by count: XLA {weighted[0]:.0f} ms, torch {weighted[1]:.0f} ms per step of 3x3 convs"
+        f"\nweighted by count: XLA {weighted[0]:.0f} ms, torch {weighted[1]:.0f} ms per step of "
+        "3x3 convs"
     )
     out = pathlib.Path(
         args.out

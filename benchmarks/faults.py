@@ -194,9 +194,9 @@ def main():
         np.array_equal(expected[k], got[k]) for k in expected
     )
     train_steps = [
-        json.loads(l)["step"]
-        for l in open(os.path.join(faulted, "metrics.jsonl"))
-        if "train/loss" in l
+        json.loads(line)["step"]
+        for line in open(os.path.join(faulted, "metrics.jsonl"))
+        if "train/loss" in line
     ]
     once = train_steps == list(range(5, args.steps + 1, 5))
     print(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+import configs
 from attnjax.models import gpt, vit
 from attnjax.tasks import classification, vqgan
 from attnjax.train import optim
@@ -133,13 +134,7 @@ def _layered_row(name, params, opt_state, layered, depth, block_input_bytes):
 
 
 def vqgan_row(name):
-    import importlib.util
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "vqgan_imagenet_f16.py"
-    spec = importlib.util.spec_from_file_location("vqgan_imagenet_f16", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = configs.load("vqgan_imagenet_f16")
     model = vqgan.create_model(config)
     size = config.model.ddconfig.resolution
     images = jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32)

@@ -166,7 +166,8 @@ def main():
     compare_torch.use_devices(args.cpu_devices)
     peak = matmul_gflops()
     print(
-        f"float32 matmul 2048^3: {peak:.0f} GFLOP/s ({jax.devices()[0].device_kind}, {os.cpu_count()} cores)"
+        f"float32 matmul 2048^3: {peak:.0f} GFLOP/s ({jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} cores)"
     )
     results = []
     with tempfile.TemporaryDirectory() as directory:
@@ -178,7 +179,8 @@ def main():
             r = profile_row(name, table, args.steps, args.top)
             results.append(r)
             print(
-                f"\n## {r['workload']} ({r['devices']} device(s)): {r['step_ms']:.1f} ms, {r['gflop']:.1f} GFLOP, "
+                f"\n## {r['workload']} ({r['devices']} device(s)): {r['step_ms']:.1f} ms, "
+                f"{r['gflop']:.1f} GFLOP, "
                 f"{r['gflops_per_s']:.0f} GFLOP/s ({100 * r['gflops_per_s'] / peak:.0f}% of matmul)"
             )
             print("| class | traced ms | share |\n|---|---|---|")
@@ -187,7 +189,8 @@ def main():
             print("| op | class | ms | share | shape | from |\n|---|---|---|---|---|---|")
             for t in r["top"]:
                 print(
-                    f"| {t['op']} | {t['cls']} | {t['ms']:.1f} | {100 * t['share']:.1f}% | {t['shape']} | "
+                    f"| {t['op']} | {t['cls']} | {t['ms']:.1f} | {100 * t['share']:.1f}% | "
+                    f"{t['shape']} | "
                     f"{t['source'][-60:]} |"
                 )
     out = pathlib.Path(

@@ -4,15 +4,16 @@ classified samples) run once per tokenizer, with the same step budget for every 
     python benchmarks/quantizers.py [--vqgan_steps N] [--prior_steps N] [--rows vq,fsq]
 
 Each row is ``configs/vqgan_digits.py`` with ``model.quantizer`` overrides (nothing else), then
-``configs/prior_digits.py`` on its codes (their own step budgets unless ``--*_steps`` is given;
-the budget, batch sizes, learning rates and dropout are recorded with each row); runs live in
-``runs/bench_quantizers/<row>/`` and a finished stage is reused. The digits ViT (``configs/vit_digits.py``) is trained once and judges
-the reconstructions of the 360 held-out digits and the prior's class-conditional samples. The
-table: held-out PSNR (pixels in [0, 1]), codebook usage and perplexity on the test split, ViT
-accuracy on reconstructions, the prior's held-out bits per token, the fraction of samples the
-ViT assigns to their conditioning class, and the training wall time of both stages (wall clock
-on a shared machine). Each row's numbers are kept in ``<workdir>/<row>/result.json`` (reused when
-the step budget matches), so rows may run in separate processes at once; every process rewrites
+``configs/prior_digits.py`` on its codes (their own step budgets unless ``--*_steps`` is given; the
+budget, batch sizes, learning rates and dropout are recorded with each row); runs live in
+``runs/bench_quantizers/<row>/`` and a finished stage is reused. The digits ViT
+(``configs/vit_digits.py``) is trained once and judges the reconstructions of the 360 held-out
+digits and the prior's class-conditional samples. The table: held-out PSNR (pixels in [0, 1]),
+codebook usage and perplexity on the test split, ViT accuracy on reconstructions, the prior's
+held-out bits per token, the fraction of samples the ViT assigns to their conditioning class, and
+the training wall time of both stages (wall clock on a shared machine). Each row's numbers are kept
+in ``<workdir>/<row>/result.json`` (reused when the step budget matches), so rows may run in
+separate processes at once; every process rewrites
 ``benchmarks/results/quantizers_digits.{json,md}`` from all finished rows.
 """
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 
+import configs  # noqa: E402
 import demo  # noqa: E402
 from attnjax.tasks import classification  # noqa: E402
 from attnjax.tasks import prior as prior_task  # noqa: E402
@@ -47,11 +49,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def configs_for(row, vqgan_steps, prior_steps, workdir):
-    vqgan_config = demo.load_config("configs/vqgan_digits.py")
+    vqgan_config = configs.load("vqgan_digits")
     vqgan_config.model.quantizer.update(ROWS[row])
     vqgan_config.num_train_steps = vqgan_steps = vqgan_steps or vqgan_config.num_train_steps
     vqgan_config.eval_every = vqgan_config.checkpoint_every = vqgan_steps
-    prior_config = demo.load_config("configs/prior_digits.py")
+    prior_config = configs.load("prior_digits")
     prior_config.num_train_steps = prior_steps = prior_steps or prior_config.num_train_steps
     prior_config.eval_every = prior_config.checkpoint_every = prior_steps
     prior_config.vqgan_workdir = os.path.join(workdir, "vqgan")
@@ -114,8 +116,9 @@ def finished_rows(args) -> dict:
 
 def markdown(results) -> str:
     lines = [
-        f"Digits, {results['vqgan_steps']} VQGAN steps of {results.get('vqgan_batch_size', '?')} and "
-        f"{results['prior_steps']} prior steps of {results.get('prior_batch_size', '?')} per row, "
+        f"Digits, {results['vqgan_steps']} VQGAN steps of {results.get('vqgan_batch_size', '?')} "
+        f"and {results['prior_steps']} prior steps of {results.get('prior_batch_size', '?')} "
+        "per row, "
         f"{results['samples_per_class']} samples per class; {results['machine']}.",
         "",
         "| tokenizer | PSNR (dB) | usage | perplexity | ViT acc. on rec. | prior bits/token "
@@ -152,7 +155,7 @@ def main():
     if unknown:
         raise ValueError(f"--rows: unknown rows {unknown}; expected a subset of {list(ROWS)}")
 
-    vit_config = demo.load_config("configs/vit_digits.py")
+    vit_config = configs.load("vit_digits")
     vit_workdir = args.vit_workdir or os.path.join(args.workdir, "vit")
     vit_stage = demo.run_stage("vit", vit_config, vit_workdir, {})
     _, predict = classification.make_predict(vit_workdir)
@@ -160,7 +163,10 @@ def main():
         **recipe(args),
         "samples_per_class": args.samples_per_class,
         "vit_test_accuracy": vit_stage["metrics"]["eval/accuracy"],
-        "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
+        "machine": (
+            f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores "
+            f"({platform.processor() or 'cpu'})"
+        ),
         "rows": {},
     }
     json_path, md_path = RESULTS / "quantizers_digits.json", RESULTS / "quantizers_digits.md"

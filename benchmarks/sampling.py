@@ -6,15 +6,16 @@ sequence length ``L`` in {16, 64, 256} and batch in {1, 16, 64}:
 
 * ``cached``: ``attnjax.models.sampling.sample``, one jit program, key/value cache, one token per
   ``lax.scan`` step.
-* ``recompute``: ``attnjax.models.sampling.sample_recompute``, one jit program that runs the full causal
-  pass over the fixed-size ``[batch, L]`` buffer for every token.
+* ``recompute``: ``attnjax.models.sampling.sample_recompute``, one jit program that runs the full
+  causal pass over the fixed-size ``[batch, L]`` buffer for every token.
 * ``taming``: ``taming.modules.transformer.mingpt.sample`` (PyTorch, eager, ``torch.no_grad``,
   ``--torch_threads`` intra-op threads, default 1), which re-runs the model on the growing
   prefix for every token.
 
 Compile time (``lower().compile()``) is reported apart from the steady state (best of a few
 calls of the compiled program, repeated for 1 s or 20 calls; the best call is the one least
-disturbed by other load on a shared machine). Prints a table and writes ``benchmarks/results/sampling.json``.
+disturbed by other load on a shared machine). Prints a table and writes
+``benchmarks/results/sampling.json``.
 
     .venv/bin/python benchmarks/sampling.py [--quick]
 """
@@ -102,7 +103,8 @@ def run(lengths, batches):
 
 
 _HEADER = (
-    f"{'length':>6} {'batch':>5} | {'cached tok/s':>12} {'recompute tok/s':>15} {'taming tok/s':>12} | "
+    f"{'length':>6} {'batch':>5} | {'cached tok/s':>12} {'recompute tok/s':>15} "
+    f"{'taming tok/s':>12} | "
     f"{'cached/recomp':>13} {'cached/taming':>13} | {'compile s (cached, recomp)':>26}"
 )
 

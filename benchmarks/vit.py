@@ -3,12 +3,12 @@
     python benchmarks/vit.py [--variant Ti/16] [--image-size 224] [--batch 8] [--repeats 5]
                              [--dtype float32|bfloat16]
 
-A timm ``VisionTransformer`` of the variant's shape is built with random weights and converted
-with ``attnjax.convert.timm.vit_from_timm``; then for each attnjax setting (``scan_layers`` x ``remat``)
+A timm ``VisionTransformer`` of the variant's shape is built with random weights and converted with
+``attnjax.convert.timm.vit_from_timm``; then for each attnjax setting (``scan_layers`` x ``remat``)
 it measures the compile time of the jitted forward and of a cross-entropy forward+backward, their
 steady-state times, and XLA's temporary buffer size (activation memory), next to timm's eager
-PyTorch forward and forward+backward on the same weights and images. The first row also checks
-that the logits agree. Prints a table and writes ``benchmarks/results/vit_<platform>.json``.
+PyTorch forward and forward+backward on the same weights and images. The first row also checks that
+the logits agree. Prints a table and writes ``benchmarks/results/vit_<platform>.json``.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def main():
 
     device = f"{jax.default_backend()} ({platform.processor() or platform.machine()})"
     print(
-        f"\nViT {args.variant} at {args.image_size}, batch {args.batch}, {args.dtype}, device {device}"
+        f"\nViT {args.variant} at {args.image_size}, batch {args.batch}, {args.dtype}, device "
+        f"{device}"
     )
     header = (
         f"{'implementation':34s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'compile s (fwd/bwd)':>20s} "

@@ -1,7 +1,8 @@
 """VQGAN on the digits: codebook options, GAN and perceptual terms, and how the
 reconstructions classify. Produces the README's VQGAN numbers.
 
-    python benchmarks/vqgan_digits.py --steps 800 --vit_workdir runs/vit_digits [--variants plain,l2_reseed]
+    python benchmarks/vqgan_digits.py --steps 800 --vit_workdir runs/vit_digits \\
+        [--variants plain,l2_reseed]
 
 Each variant is ``configs/vqgan_digits.py`` with a few overrides, trained with the real loop in
 ``runs/bench_vqgan/<variant>``; the table reports held-out PSNR (pixels in [0, 1]), codebook
@@ -11,7 +12,6 @@ that classifier on the reconstructions. Results go to ``benchmarks/results/vqgan
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+import configs
 from attnjax import data
 from attnjax.tasks import classification, train_and_evaluate, vqgan
 from attnjax.train import checkpoint
@@ -44,17 +45,8 @@ VARIANTS = {
 }
 
 
-def load_config():
-    spec = importlib.util.spec_from_file_location(
-        "vqgan_digits", ROOT / "configs" / "vqgan_digits.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def configure(name, steps):
-    config = load_config()
+    config = configs.load("vqgan_digits")
     overrides = VARIANTS[name]
     config.num_train_steps = steps
     config.eval_every = config.checkpoint_every = steps
@@ -82,22 +74,15 @@ def reconstruction_accuracy(workdir, vit_workdir):
         [data.resize(np.asarray(source[i]["image"]), size) for i in range(len(source))]
     )
     labels = np.array([int(source[i]["label"]) for i in range(len(source))])
-    x = (images.astype(np.float32) / 255.0 - np.asarray(run_config.data.mean)) / np.asarray(
-        run_config.data.std
-    )
-    rec, _ = model.apply(variables, jnp.asarray(x))
-    pixels = np.clip(
-        np.asarray(rec) * np.asarray(run_config.data.std) + np.asarray(run_config.data.mean), 0, 1
-    )
+    rec, _ = model.apply(variables, jnp.asarray(data.normalize(images, run_config.data)))
+    pixels = np.clip(data.denormalize(np.asarray(rec), run_config.data), 0, 1)
     if vit_config.data.image_size not in (0, size):
         raise ValueError(
             f"the ViT expects {vit_config.data.image_size}x{vit_config.data.image_size} images, "
             f"the VQGAN makes {size}x{size}"
         )
-    vit_in = (pixels - np.asarray(vit_config.data.mean)) / np.asarray(vit_config.data.std)
-    original = (images.astype(np.float32) / 255.0 - np.asarray(vit_config.data.mean)) / np.asarray(
-        vit_config.data.std
-    )
+    vit_in = data.normalize(pixels, vit_config.data)
+    original = data.normalize(images, vit_config.data)
     accuracy = lambda a: float(
         np.mean(np.argmax(np.asarray(predict(jnp.asarray(a))), -1) == labels)
     )

@@ -9,11 +9,7 @@ tokens for 32x32 images at f=4). Sizes follow taming's smaller class-conditional
 at temperature 1 (``log_images``' defaults).
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

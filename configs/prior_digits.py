@@ -9,11 +9,7 @@ of 64 without dropout; samples at temperature 0.8, top-k 16, guidance 1.5. How t
 sampling settings were chosen: benchmarks/results/digits_recipes.md.
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

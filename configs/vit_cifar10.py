@@ -12,11 +12,7 @@ not implement (crop+flip only here), and Adam with L2 5e-5; we use AdamW with De
 Expect a GPU and ~1 hour; this recipe has not been run to completion.
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 EPOCH = 50_000 // 128  # 390 steps
 

@@ -7,11 +7,7 @@ device: about 99% test accuracy in under a minute on 2 CPU cores. How the recipe
 benchmarks/results/digits_recipes.md.
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

@@ -3,11 +3,7 @@
 python train.py --config configs/vit_fashion_mnist.py --workdir runs/fashion_mnist
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import vit_mnist  # noqa: E402
+from configs import vit_mnist
 
 EPOCH = vit_mnist.EPOCH
 

@@ -12,11 +12,7 @@ learning rate from {0.003, 0.01, 0.03, 0.06} (0.03 here), higher resolution (384
 pre-training with the position table resized (bicubic) to the 24x24 grid.
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

@@ -5,11 +5,7 @@ Needs MNIST prepared as array_record (``pip install attnjax[tfds-prepare]``;
 ``tfds build mnist --file_format=array_record``).
 """
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 EPOCH = 60_000 // 128  # 468 steps
 

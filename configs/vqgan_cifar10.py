@@ -9,13 +9,9 @@ the ``lpips`` package's linear layers with ``python -m attnjax.convert.lpips``);
 is off and the log says so.
 """
 
-import pathlib
-import sys
-
 import ml_collections
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

@@ -11,13 +11,9 @@ with ``python -m attnjax.convert.lpips``). The LFQ settings below are the defaul
 benchmarks/results/digits_recipes.md.
 """
 
-import pathlib
-import sys
-
 import ml_collections
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 
 def get_config():

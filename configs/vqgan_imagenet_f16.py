@@ -14,13 +14,9 @@ converted once with ``python -m attnjax.convert.lpips``. Needs the TFDS ``imagen
 (manual download) and accelerators.
 """
 
-import pathlib
-import sys
-
 import ml_collections
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # configs.* from any directory
-from configs import common  # noqa: E402
+from configs import common
 
 BASE_LEARNING_RATE = 4.5e-6  # taming: per image of the global batch
 

@@ -2,7 +2,6 @@
 
 import contextlib
 import functools
-import importlib.util
 import os
 
 import flax
@@ -10,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import configs
 from attnjax import data
 from attnjax.models import vit
 from attnjax.tasks import classification, train_and_evaluate
@@ -316,10 +316,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return configs.load(name)
 
 
 def assert_relative(actual, expected, tol=1e-5, what="value"):

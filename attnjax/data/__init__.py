@@ -1,5 +1,6 @@
-"""Input data: TFDS sources read through grain (``pipeline``), per-example transforms
-(``transforms``), the embedded digits dataset (``digits``) and PNG pictures (``images``).
+"""Input data: TFDS sources read through grain (``pipeline``), per-example transforms and pixel
+normalisation (``transforms``), the embedded digits dataset (``digits``) and PNG pictures
+(``images``).
 
 The pipeline's public functions are re-exported here, so a caller writes ``data.make_datasets``.
 """
@@ -16,7 +17,7 @@ from attnjax.data.pipeline import (
     process_batches,
     records_in_memory,
 )
-from attnjax.data.transforms import random_crop_flip, resize
+from attnjax.data.transforms import denormalize, normalize, random_crop_flip, resize
 
 __all__ = [
     "DIGITS_TEST_SIZE",
@@ -24,9 +25,11 @@ __all__ = [
     "Datasets",
     "Digits",
     "default_data_dir",
+    "denormalize",
     "load_source",
     "make_datasets",
     "make_iterator",
+    "normalize",
     "padded_eval_dataset",
     "per_process_batch_size",
     "process_batches",

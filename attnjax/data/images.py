@@ -27,7 +27,8 @@ def _check_images(images, where: str) -> np.ndarray:
 
 
 def image_grid(images, nrow: int) -> np.ndarray:
-    """``[n, H, W, C]`` floats in [0, 1] -> one uint8 image ``[rows * (H+1) + 1, nrow * (W+1) + 1, C]``.
+    """``[n, H, W, C]`` floats in [0, 1] -> one uint8 image
+    ``[rows * (H+1) + 1, nrow * (W+1) + 1, C]``.
 
     Images fill rows of ``nrow`` left to right, ``rows = ceil(n / nrow)``; a one-pixel white
     border separates them and the cells after the last image stay white. Values outside [0, 1]
@@ -68,7 +69,8 @@ def save_png(image, path, scale: int = 1) -> str:
 
 
 def save_image_grid(images, path, nrow: int, scale: int = 1) -> str:
-    """Writes ``image_grid(images, nrow)`` as a PNG, each pixel ``scale`` x ``scale``; returns the path."""
+    """Writes ``image_grid(images, nrow)`` as a PNG, each pixel ``scale`` x ``scale``; returns its
+    path."""
     return save_png(image_grid(images, nrow), path, scale)
 
 

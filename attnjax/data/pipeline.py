@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from attnjax.data.digits import EMBEDDED_BUILDERS
-from attnjax.data.transforms import random_crop_flip, resize
+from attnjax.data.transforms import normalize, random_crop_flip, resize
 
 
 class Datasets(NamedTuple):
@@ -147,14 +147,10 @@ def _example_fn(data_config) -> Any:
 
 
 def _normalize_fn(data_config):
-    mean = np.asarray(data_config.mean, np.float32)
-    std = np.asarray(data_config.std, np.float32)
+    def normalized(example):
+        return {**example, "image": normalize(example["image"], data_config)}
 
-    def normalize(example):
-        image = (example["image"].astype(np.float32) / 255.0 - mean) / std
-        return {**example, "image": image}
-
-    return normalize
+    return normalized
 
 
 def per_process_batch_size(batch_size: int, process_count: int, what: str = "config.batch_size"):

@@ -1,4 +1,5 @@
-"""Per-example image transforms on uint8 ``[H, W, C]`` numpy arrays: resizing and augmentation."""
+"""Image transforms: resizing and augmentation of uint8 ``[H, W, C]`` numpy arrays, and the
+pixel normalisation of a config's ``data`` (``mean``, ``std``) with its inverse."""
 
 from __future__ import annotations
 
@@ -35,3 +36,27 @@ def random_crop_flip(
     if flip and rng.random() < 0.5:
         image = image[:, ::-1]
     return image
+
+
+def _mean_std(data_config) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(data_config.mean, np.float32), np.asarray(data_config.std, np.float32)
+
+
+def normalize(images, data_config):
+    """Pixels ``[..., C]`` -> model inputs ``(x - mean) / std`` (float32, per channel).
+
+    uint8 pixels are read as ``x / 255``; float pixels are taken to be in [0, 1] already.
+    """
+    mean, std = _mean_std(data_config)
+    if images.dtype == np.uint8:
+        images = images.astype(np.float32) / 255.0
+    return (images - mean) / std
+
+
+def denormalize(images, data_config):
+    """Model-space images ``[..., C]`` -> pixels ``x * std + mean`` (in [0, 1], unclipped).
+
+    numpy in, numpy out; a jax array (traced or not) stays a jax array.
+    """
+    mean, std = _mean_std(data_config)
+    return images * std + mean

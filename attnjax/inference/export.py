@@ -1,4 +1,4 @@
-"""Serialized inference: a trained workdir's jit-compiled functions as one file, run without attnjax.
+"""Serialized inference: a trained run's jit-compiled functions in one file, run without attnjax.
 
     python -m attnjax.inference.export --workdir runs/demo/vit --out vit.jaxexport
 
@@ -113,6 +113,7 @@ def _vqgan(config, workdir, step):
 
 
 def _prior(config, workdir, step, number):
+    from attnjax import data
     from attnjax.tasks import prior as prior_task
     from attnjax.train import checkpoint
 
@@ -138,7 +139,7 @@ def _prior(config, workdir, step, number):
             guidance=guidance,
         )
         images = vqgan.model.apply(vqgan.variables, codes, method=type(vqgan.model).decode_indices)
-        return images * jnp.asarray(vqgan.config.data.std) + jnp.asarray(vqgan.config.data.mean)
+        return data.denormalize(images, vqgan.config.data)
 
     return {"sample": (sample, [_spec((number,), jnp.int32), _spec((), jnp.uint32)])}
 

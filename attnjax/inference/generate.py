@@ -1,18 +1,19 @@
 """Sample digits (or any images) from a trained prior run, and write them as a PNG.
 
-    python -m attnjax.inference.generate --workdir runs/demo/prior                  # every class, a row each
-    python -m attnjax.inference.generate --workdir runs/demo/prior --class 3 --number 16 --temperature 0.8
-    python -m attnjax.inference.generate --workdir runs/demo/prior --grid 4x8      # sliding window, wider
+    python -m attnjax.inference.generate --workdir runs/demo/prior  # every class, a row each
+    python -m attnjax.inference.generate --workdir runs/demo/prior --class 3 --number 16 \\
+        --temperature 0.8
+    python -m attnjax.inference.generate --workdir runs/demo/prior --grid 4x8  # a wider grid
     python -m attnjax.inference.generate --workdir runs/demo/prior --complete 8 --rows 2
 
-Three modes (``attnjax.models.sampling``): plain class-conditional sampling of the trained code grid;
-``--grid HxW``, a grid at least the trained one sampled with taming's sliding window; and
+Three modes (``attnjax.models.sampling``): plain class-conditional sampling of the trained code
+grid; ``--grid HxW``, a grid at least the trained one sampled with taming's sliding window; and
 ``--complete N``, the first ``N`` held-out images of the VQGAN's dataset encoded, their first
-``--rows`` code rows kept and the rest sampled given their class (PNG rows: originals, the kept
-rows with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p`` and
-``--guidance`` default to the run's ``config.sampling``. The PNG goes to ``--out`` (default
-``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten
-without ``--force``.
+``--rows`` code rows kept and the rest sampled given their class (PNG rows: originals, the kept rows
+with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p`` and ``--guidance``
+default to the run's ``config.sampling``. The PNG goes to ``--out`` (default
+``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten without
+``--force``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax import data
 from attnjax.data.images import save_image_grid
 from attnjax.models import gpt, sampling
 from attnjax.tasks import prior as prior_task
@@ -57,7 +59,8 @@ def load_prior(workdir: str, step: int | None = None) -> TrainedPrior:
 def sampling_settings(
     run: TrainedPrior, *, temperature=None, top_k=None, top_p=None, guidance=None
 ) -> dict:
-    """Keyword arguments of ``attnjax.models.sampling``'s samplers: the given values, else the run's."""
+    """Keyword arguments of ``attnjax.models.sampling``'s samplers: the given values, else the
+    run's."""
     config = run.config.sampling
     trained_guidance = prior_task.sampling_guidance(run.config)
     if guidance is not None and not prior_task.trained_with_null_class(run.config):
@@ -107,10 +110,7 @@ def decode(run: TrainedPrior, codes) -> np.ndarray:
     decoded = vqgan_task.compiled_method(run.vqgan.model, "decode_indices")(
         run.vqgan.variables, jnp.asarray(codes, jnp.int32)
     )
-    data = run.vqgan.config.data
-    return np.asarray(decoded) * np.asarray(data.std, np.float32) + np.asarray(
-        data.mean, np.float32
-    )
+    return data.denormalize(np.asarray(decoded), run.vqgan.config.data)
 
 
 def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **settings) -> dict:
@@ -129,8 +129,7 @@ def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **setti
     completed = sampling.complete(
         run.model, run.params, prefix, codes, rows, rng, null_prefix=null, **settings
     )
-    data = run.vqgan.config.data
-    originals = images * np.asarray(data.std, np.float32) + np.asarray(data.mean, np.float32)
+    originals = data.denormalize(images, run.vqgan.config.data)
     kept = decode(run, codes)
     kept[:, rows * kept.shape[1] // height :] = 0.5
     return {

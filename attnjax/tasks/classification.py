@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from attnjax import data
 from attnjax.models import vit
 from attnjax.ops import positional
 from attnjax.train import checkpoint, optim, sharding
@@ -204,7 +205,7 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     )[:n]
     images = np.asarray(batch["image"][:n])
     labels = np.asarray(batch["label"][:n])
-    shown = images * np.asarray(config.data.std) + np.asarray(config.data.mean)
+    shown = data.denormalize(images, config.data)
     cols = 8
     rows = max(1, -(-n // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.2, rows * 1.35))

@@ -52,6 +52,7 @@ import optax
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
+from attnjax import data
 from attnjax.data.images import save_image_grid
 from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
@@ -330,7 +331,7 @@ def _discriminator_update(state, params, x, rec, disc, disc_tx, loss_config, axi
 
 
 def _to_unit_range(images, data_config):
-    return images * jnp.asarray(data_config.std) + jnp.asarray(data_config.mean)
+    return data.denormalize(images, data_config)
 
 
 def eval_step(state: TrainState, batch, *, config, model):

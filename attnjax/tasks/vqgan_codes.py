@@ -81,8 +81,6 @@ def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
 def load_images(data_config, split: str, shifts: int):
     """Normalised images ``[N * (2 shifts + 1)^2, H, W, C]`` and labels of a TFDS split."""
     source = data.load_source(data_config.name, split, data_config.get("data_dir"))
-    mean = np.asarray(data_config.mean, np.float32)
-    std = np.asarray(data_config.std, np.float32)
     images, labels = [], []
     offsets = [(dy, dx) for dy in range(-shifts, shifts + 1) for dx in range(-shifts, shifts + 1)]
     for i in range(len(source)):
@@ -91,7 +89,7 @@ def load_images(data_config, split: str, shifts: int):
         for dy, dx in offsets:
             images.append(_shift(image, dy, dx))
             labels.append(int(record[data_config.label_key]))
-    images = (np.stack(images).astype(np.float32) / 255.0 - mean) / std
+    images = data.normalize(np.stack(images), data_config)
     return images, np.asarray(labels, np.int32)
 
 
