@@ -1,19 +1,17 @@
 """demo.py's stage bookkeeping: a finished stage is reused, not retrained."""
 
 import os
-import sys
 
 import pytest
-from helpers import tiny_vit
+from helpers import load_config, tiny_vit
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import demo  # noqa: E402
+import demo
 from attnjax.train import checkpoint
 
 
 def test_a_finished_stage_is_reused_not_retrained(tmp_path):
     config = tiny_vit(
-        demo.load_config("configs/vit_digits.py"),
+        load_config("vit_digits"),
         num_train_steps=3,
         log_every=3,
         eval_every=3,
