@@ -1,7 +1,8 @@
 """attnjax: attention, ViT and VQGAN + transformer prior in pure functional Flax.
 
-Modules are imported explicitly (``from attnjax import attention``) so that importing the
-package stays cheap and never touches torch.
+Modules are imported explicitly (``from attnjax.ops import attention``) so that importing the
+package stays cheap and never touches torch. The subpackages are layers, bottom to top: ops,
+models, data and convert, train, tasks, inference.
 """
 
 __version__ = "0.1.0"
