@@ -115,7 +115,7 @@ def test_loader_runs_without_the_model_code(trained_runs, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    # attnjax.inference is an empty package: nothing but the loader itself.
+    # attnjax.inference holds only a docstring: nothing is loaded but the loader itself.
     expected_modules = ["attnjax.inference", "attnjax.inference.export"]
     assert loaded["modules"] == expected_modules, loaded["modules"]
     _, predict = classification.make_predict(trained_runs["vit"])
