@@ -38,9 +38,8 @@ from attnjax.train import (
     workdir_lock,
 )
 
-LOOP_FIELDS = (
-    "task",
-    "seed",
+# Config fields every run needs; the counts and sizes among them must be positive.
+POSITIVE_FIELDS = (
     "num_train_steps",
     "batch_size",
     "log_every",
@@ -48,20 +47,14 @@ LOOP_FIELDS = (
     "checkpoint_every",
     "max_to_keep",
 )
+LOOP_FIELDS = ("task", "seed", *POSITIVE_FIELDS)
 
 
 def _check_loop_fields(config) -> None:
     missing = [k for k in LOOP_FIELDS if k not in config]
     if missing:
         raise ValueError(f"config lacks the training-loop field(s) {missing}.")
-    for key in (
-        "num_train_steps",
-        "batch_size",
-        "log_every",
-        "eval_every",
-        "checkpoint_every",
-        "max_to_keep",
-    ):
+    for key in POSITIVE_FIELDS:
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
     nonfinite.check_config(config)
