@@ -14,10 +14,20 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+def _clamped_square_norm(x: Array, eps: float) -> Array:
+    return jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps)
+
+
 def l2_norm(x: Array, eps: float = 1e-12) -> Array:
-    """``[..., dim]`` -> ``[..., 1]``: the L2 norm over the last axis, at least ``sqrt(eps)``, so
-    ``x / l2_norm(x)`` is a unit vector (zero for a zero ``x``)."""
-    return jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps))
+    """``[..., dim]`` -> ``[..., 1]``: the L2 norm over the last axis, at least ``sqrt(eps)``."""
+    return jnp.sqrt(_clamped_square_norm(x, eps))
+
+
+def l2_normalize(x: Array, eps: float = 1e-12) -> Array:
+    """``x`` scaled to unit L2 norm over the last axis (zero stays zero). A product with
+    ``rsqrt``, not a division by ``l2_norm``: the two round differently, and trained codebooks
+    follow the rounding."""
+    return x * jax.lax.rsqrt(_clamped_square_norm(x, eps))
 
 
 def codebook_statistics(
@@ -108,7 +118,7 @@ class VectorQuantizer(nn.Module):
     def codebook(self) -> Array:
         """The codes as looked up: ``[n_embed, lookup_dim]`` (unit norm with ``l2_normalize``)."""
         codes = self.embedding if self.ema_decay is None else self.ema_codes.value
-        return codes / l2_norm(codes) if self.l2_normalize else codes
+        return l2_normalize(codes) if self.l2_normalize else codes
 
     def lookup(self, indices: Array) -> Array:
         """Indices ``[...]`` -> quantized latents ``[..., embed_dim]``."""
@@ -128,7 +138,7 @@ class VectorQuantizer(nn.Module):
         if self.lookup_dim is not None:
             z = self.in_proj(z)
         if self.l2_normalize:
-            z = z / l2_norm(z)
+            z = l2_normalize(z)
         flat = z.reshape(-1, z.shape[-1])
         codes = self.codebook()
         # Same expansion and order of operations as taming, so that argmin ties resolve alike.
