@@ -112,7 +112,7 @@ def test_jit_grad_vmap_through_positional():
     stacked = jnp.stack([posemb, 2 * posemb])
     resized = jax.jit(jax.vmap(lambda p: positional.resize_position_embedding(p, (3, 3))))(stacked)
     assert_close(resized[1], 2 * np.asarray(resize(posemb, (3, 3))), what="vmap resize")
-    resized_sum = lambda p: positional.resize_position_embedding(p, (3, 3), method="bilinear").sum()  # noqa: E731
+    resized_sum = lambda p: positional.resize_position_embedding(p, (3, 3), method="bilinear").sum()
     grad = jax.jit(jax.grad(resized_sum))(posemb)
     # bilinear weights sum to one per output pixel: 9 outputs spread over 4 inputs, prefix 1
     assert_close(grad[0, 1:].sum(0), [9.0, 9.0], what="resize gradient mass")
