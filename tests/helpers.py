@@ -120,6 +120,18 @@ def train_steps(config):
     return params, sharding.bytes_per_device(held), whole
 
 
+# Batch and schedule of the tiny VQGAN and prior runs: batch 16, evaluated every 4 steps.
+TINY_RUN_SCHEDULE = dict(
+    batch_size=16,
+    eval_batch_size=64,
+    warmup_steps=1,
+    log_every=2,
+    eval_every=4,
+    checkpoint_every=4,
+    quiet=True,
+)
+
+
 def tiny_vqgan_config(data_dir, **overrides):
     """The canonical tiny VQGAN on the embedded digits (16x16, f=1: the fewest layers to
     compile), batch 16, evaluated on 64 test images every 4 steps."""
@@ -127,18 +139,7 @@ def tiny_vqgan_config(data_dir, **overrides):
     config.data.data_dir = data_dir
     config.data.eval_split = "test[:64]"
     config.model.ddconfig.update(ch_mult=(1,), num_res_blocks=1)
-    config.update(
-        dict(
-            batch_size=16,
-            eval_batch_size=64,
-            warmup_steps=1,
-            log_every=2,
-            eval_every=4,
-            checkpoint_every=4,
-            quiet=True,
-        ),
-        **overrides,
-    )
+    config.update(TINY_RUN_SCHEDULE, **overrides)
     return config
 
 
@@ -149,18 +150,7 @@ def tiny_prior_config(vqgan_workdir, **overrides):
     config.data.train_shifts = 0
     config.model.update(n_layer=1, n_head=2, n_embd=16)
     config.sampling.update(per_class=1, guidance=2.0)
-    config.update(
-        dict(
-            batch_size=16,
-            eval_batch_size=64,
-            warmup_steps=1,
-            log_every=2,
-            eval_every=4,
-            checkpoint_every=4,
-            quiet=True,
-        ),
-        **overrides,
-    )
+    config.update(TINY_RUN_SCHEDULE, **overrides)
     return config
 
 
