@@ -305,6 +305,19 @@ def jit_steps(config):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def xla_flags(devices=None):
+    """``$XLA_FLAGS`` (the suite's compile flags, see conftest) for a subprocess, with its CPU
+    device count set to ``devices`` (None: no count, the process chooses)."""
+    flags = [
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
 def load_config(name):
     return configs.load(name)
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, xla_flags
 
 from attnjax.models import quantizers, vqgan
 
@@ -270,8 +270,9 @@ SHARDED = textwrap.dedent("""
             return quantized, indices, {k: aux[k] for k in keys}
         def loss(v, x):
             return one.apply(v, x)[2]["loss"] + jnp.sum(one.apply(v, x)[0] ** 2) / x.shape[0]
-        ref = stats(one, variables, z)
-        ref_grad = jax.grad(loss)(variables, z)
+        # One device, jitted: op-by-op dispatch would compile every primitive on its own.
+        ref = jax.jit(lambda v, x: stats(one, v, x))(variables, z)
+        ref_grad = jax.jit(jax.grad(loss))(variables, z)
         # jit over a mesh: the batch sharded over 8 devices, the statistics global.
         mesh = Mesh(np.array(jax.devices()), ("data",))
         sharded = jax.device_put(z, NamedSharding(mesh, P("data")))
@@ -326,7 +327,7 @@ SHARDED = textwrap.dedent("""
 def test_statistics_on_8_devices_equal_one_device():
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=xla_flags(8),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=ROOT,
     )

@@ -13,7 +13,7 @@ import time
 import flax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_close, tiny_vit_flags
+from helpers import ROOT, assert_close, tiny_vit_flags, xla_flags
 
 from attnjax.train import checkpoint, launch, parallel
 
@@ -53,7 +53,7 @@ def env_without_jax_settings():
 
 def env_with_devices(devices):
     env = env_without_jax_settings()
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
     return env
 
 

@@ -11,7 +11,7 @@ import grain
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_close, tiny_config
+from helpers import ROOT, assert_close, tiny_config, xla_flags
 
 from attnjax import data
 from attnjax.tasks import classification, train_and_evaluate
@@ -57,7 +57,7 @@ def one_device_run(digits_dir, tmp_path_factory):
 def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, one_device_run, tmp_path):
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": xla_flags(8),
         "JAX_PLATFORMS": "cpu",
     }
     script = EIGHT_DEVICES.format(root=ROOT, tmp=str(tmp_path), data_dir=digits_dir)
@@ -123,7 +123,7 @@ def test_cpu_devices_per_config_and_a_subset_equals_one_device(
 ):
     """use_cpu_cores gives the process the largest count its configs ask for; a config that asks
     for fewer trains on the first of them, with the values of a one-device process."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}
     script = CPU_CORES_AS_DEVICES.format(root=ROOT, tmp=str(tmp_path), data_dir=digits_dir)
     proc = subprocess.run(
         [sys.executable, "-c", script],

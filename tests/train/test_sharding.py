@@ -11,7 +11,7 @@ import flax
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_close
+from helpers import ROOT, assert_close, xla_flags
 from jax.sharding import PartitionSpec as P
 
 from attnjax.tasks import classification
@@ -73,7 +73,7 @@ FOUR_DEVICES = textwrap.dedent("""
 def _run(script, devices):
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(
