@@ -38,6 +38,7 @@ FLAGS = [
     "--config.eval_every=100",
     "--config.checkpoint_every=25",
     "--config.model.dropout_rate=0.1",
+    "--config.data.crop_padding=1",  # random crops: the data stream's RNG must resume too
 ]
 
 
@@ -61,6 +62,7 @@ def config_like_flags(digits_dir, **overrides):
     )
     config = tiny_vit_config(digits_dir, **{**settings, **overrides})
     config.model.dropout_rate = 0.1
+    config.data.crop_padding = 1
     return config
 
 

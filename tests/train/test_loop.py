@@ -1,25 +1,21 @@
-"""train.py and attnjax/train/loop.py: a run's outputs, the datasets' configs, resume after a kill,
-bad configs, the metrics log and the per-step keys."""
+"""train.py and attnjax/train/loop.py: a run's outputs, the datasets' configs,
+bad configs, the metrics log and the per-step keys (resuming after a kill: test_faults.py)."""
 
 import glob
 import hashlib
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from helpers import ROOT, assert_close, flat, load_config, tiny_vit, tiny_vit_config, tiny_vit_flags
+from helpers import assert_close, load_config, tiny_vit, tiny_vit_config
 
 from attnjax import data
 from attnjax.tasks import classification, train_and_evaluate
-from attnjax.train import checkpoint, report
+from attnjax.train import report
 
 # ---- a short real run: every output a person looks at -------------------------------------
 
@@ -106,75 +102,6 @@ def test_dataset_configs_run_on_mock_data(name, optimizer, tmp_path):
     assert result["step"] == 2 and np.isfinite(result["train/loss"])
     assert result["train/learning_rate"] > 0
     assert 0.0 <= result["eval/accuracy"] <= 1.0
-
-
-# ---- interrupt and resume ------------------------------------------------------------------
-
-RESUME_FLAGS = [
-    *tiny_vit_flags(),
-    "--config.warmup_steps=5",
-    "--config.num_train_steps=40",
-    "--config.log_every=5",
-    "--config.eval_every=40",
-    "--config.checkpoint_every=5",
-    "--config.data.crop_padding=1",
-    "--config.model.dropout_rate=0.1",
-]
-
-
-def test_killed_run_resumes_to_the_uninterrupted_result(digits_dir, tmp_path):
-    workdir = str(tmp_path / "resumed")
-    command = [
-        sys.executable,
-        "train.py",
-        "--config",
-        "configs/vit_digits.py",
-        "--workdir",
-        workdir,
-        f"--config.data.data_dir={digits_dir}",
-        *RESUME_FLAGS,
-    ]
-    # Both processes run the same programs: the second loads them from the suite's compilation
-    # cache (conftest.py), which the environment names.
-    env = dict(os.environ)
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        env=env,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    first = os.path.join(workdir, "checkpoints", "5")
-    deadline = time.time() + 180
-    while not os.path.isdir(first) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # no chance to save anything more
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be interrupted"
-    with checkpoint.ocp.CheckpointManager(os.path.join(workdir, "checkpoints")) as manager:
-        interrupted_at = manager.latest_step()
-    assert interrupted_at is not None and interrupted_at < 40
-
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300, env=env)
-    resumed_lines = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-    assert resumed_lines[-1]["step"] == 40
-
-    config = tiny_vit_config(
-        digits_dir,
-        warmup_steps=5,
-        num_train_steps=40,
-        log_every=5,
-        eval_every=40,
-        checkpoint_every=5,
-    )
-    config.model.dropout_rate = 0.1
-    config.data.crop_padding = 1
-    train_and_evaluate(config, str(tmp_path / "straight"))
-    _, resumed = checkpoint.load(workdir)
-    _, straight = checkpoint.load(str(tmp_path / "straight"))
-    for key, value in flat(straight).items():  # bit-identical: same programs, same inputs
-        np.testing.assert_array_equal(flat(resumed)[key], value, err_msg=key)
 
 
 # ---- bad configs fail before training and touch nothing -----------------------------------
