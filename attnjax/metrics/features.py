@@ -4,7 +4,8 @@
 with ``images`` float32 ``[b, H, W, C]`` and returning ``{name: [b, d]}`` (the Inception's
 ``model.apply``, or a classifier's pre-logits for a domain FID). Every step has the same
 shape, so it compiles once per image size: the batch is rounded up to a multiple of the device
-count and the last one padded with zeros, whose rows are dropped. The batch is laid out along
+count and the last one padded with zeros, whose rows are dropped (a set smaller than a batch,
+``total``, is one batch of its own size). The batch is laid out along
 the ``data`` axis of a mesh over the devices (data parallelism declared, XLA splits the work);
 the variables are replicated once. While the devices compute one batch the host reads the
 next, and a progress bar counts images with their rate and the time left.
@@ -34,7 +35,8 @@ class FeatureExtractor:
             )
         devices = list(devices) if devices is not None else jax.local_devices()
         mesh = Mesh(np.asarray(devices), ("data",))
-        self.batch_size = -(-batch_size // len(devices)) * len(devices)
+        self._devices = len(devices)
+        self.batch_size = self._round_up(batch_size)
         self._replicated = NamedSharding(mesh, P())
         self._split = NamedSharding(mesh, P("data"))
         self._variables = jax.device_put(variables, self._replicated)
@@ -50,29 +52,33 @@ class FeatureExtractor:
         """``batches`` of images ``[n, H, W, C]`` (float in [0, 1], or uint8 read as ``x / 255``)
         -> ``{name: float32 [n, d]}`` per batch, in order. ``total``: images expected, for the
         progress bar's time left."""
+        size = self.batch_size if total is None else min(self.batch_size, self._round_up(total))
         pending = None
         with tqdm(total=total, unit="img", desc=description, disable=not progress) as bar:
             for images in batches:
-                started = self._start(images)
+                started = self._start(images, size)
                 if pending is not None:
                     yield self._finish(*pending, bar)
                 pending = started
             if pending is not None:
                 yield self._finish(*pending, bar)
 
-    def _start(self, images) -> tuple[Mapping[str, jax.Array], int]:
+    def _round_up(self, count: int) -> int:
+        return -(-count // self._devices) * self._devices
+
+    def _start(self, images, size: int) -> tuple[Mapping[str, jax.Array], int]:
         images = np.asarray(images)
         if images.dtype == np.uint8:
             images = images.astype(np.float32) / 255
         images = images.astype(np.float32, copy=False)
         count = len(images)
-        if images.ndim != 4 or not 0 < count <= self.batch_size:
+        if images.ndim != 4 or not 0 < count <= size:
             raise ValueError(
-                f"FeatureExtractor: a batch must be [n, H, W, C] with 0 < n <= {self.batch_size}, "
+                f"FeatureExtractor: a batch must be [n, H, W, C] with 0 < n <= {size}, "
                 f"got {images.shape}"
             )
-        if count < self.batch_size:
-            padding = np.zeros((self.batch_size - count, *images.shape[1:]), np.float32)
+        if count < size:
+            padding = np.zeros((size - count, *images.shape[1:]), np.float32)
             images = np.concatenate([images, padding])
         # Dispatched without waiting: the host reads the next batch while this one runs.
         return self._apply(self._variables, jax.device_put(images, self._split)), count
