@@ -5,6 +5,7 @@
   it; its ``.npz`` of ``mu`` and ``sigma``, read and written.
 - ``scores``: the Inception Score (torch-fidelity's shuffled splits), precision and recall
   (k-nearest-neighbour manifolds, k = 3) and the Kernel Inception Distance.
+- ``ssim``: structural similarity, as scikit-image's with Gaussian weights, in JAX.
 - ``features``: any feature function run over batches of images, jit-compiled once and split
   over the devices, with a progress bar.
 - ``sources``: where images come from: a folder of image files, a statistics ``.npz``, or a
