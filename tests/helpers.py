@@ -356,3 +356,43 @@ def nchw(x):
 
 def nhwc(t):
     return t.detach().numpy().transpose(0, 2, 3, 1)
+
+
+@functools.cache
+def random_fid_inception(seed=0):
+    """pytorch-fid's FID Inception (torchvision's ``Inception3``, 1008 classes, its FID blocks)
+    with random weights, in eval mode; built once per process and shared, so never modify it."""
+    import torch
+    from pytorch_fid import inception as pytorch_fid
+
+    torch.manual_seed(seed)
+    net = pytorch_fid._inception_v3(num_classes=1008, aux_logits=False, weights=None)
+    net.Mixed_5b = pytorch_fid.FIDInceptionA(192, pool_features=32)
+    net.Mixed_5c = pytorch_fid.FIDInceptionA(256, pool_features=64)
+    net.Mixed_5d = pytorch_fid.FIDInceptionA(288, pool_features=64)
+    net.Mixed_6b = pytorch_fid.FIDInceptionC(768, channels_7x7=128)
+    net.Mixed_6c = pytorch_fid.FIDInceptionC(768, channels_7x7=160)
+    net.Mixed_6d = pytorch_fid.FIDInceptionC(768, channels_7x7=160)
+    net.Mixed_6e = pytorch_fid.FIDInceptionC(768, channels_7x7=192)
+    net.Mixed_7b = pytorch_fid.FIDInceptionE_1(1280)
+    net.Mixed_7c = pytorch_fid.FIDInceptionE_2(2048)
+    randomise_norms(net, torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        for layer in net.modules():
+            if isinstance(layer, torch.nn.Conv2d):
+                # torch's default init shrinks activations by ~sqrt(6) per layer; He's scale
+                # keeps the deep features of order one, where relative errors mean something.
+                layer.weight.mul_(6**0.5)
+    return net.eval()
+
+
+@contextlib.contextmanager
+def pytorch_fid_weights(state_dict):
+    """Inside the block, pytorch-fid's ``fid_inception_v3`` loads ``state_dict`` where it would
+    download its FID weights: its ``InceptionV3`` and ``fid_score`` run offline."""
+    from unittest import mock
+
+    from pytorch_fid import inception as pytorch_fid
+
+    with mock.patch.object(pytorch_fid, "load_state_dict_from_url", lambda *a, **k: state_dict):
+        yield

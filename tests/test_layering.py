@@ -9,10 +9,13 @@ above (the table below is checked against ``PACKAGES``):
                           LPIPS, the GPT prior and its sampler
     2  attnjax.data       TFDS + grain input pipelines, transforms, PNG pictures
     2  attnjax.convert    weights from and to PyTorch and Google files
+    2  attnjax.metrics    FID statistics, IS, precision/recall, KID, feature extraction, image
+                          sources
     3  attnjax.train      the loop and what it stands on: optimiser, checkpoints, reliability,
                           parallelism, metrics
     4  attnjax.tasks      what each task adds: classification, vqgan, prior
     5  attnjax.inference  trained runs used: sampling command, export
+    6  attnjax.fid        the FID command
     6  train.py, demo.py, benchmarks/ (outside the package)
 
 Only attnjax/convert/ may import PyTorch or its ecosystem.
@@ -41,12 +44,18 @@ PACKAGES = (  # (package, layer, what it holds), bottom to top
     ("attnjax.data", 2, "TFDS + grain input pipelines, transforms, PNG pictures"),
     ("attnjax.convert", 2, "weights from and to PyTorch and Google files"),
     (
+        "attnjax.metrics",
+        2,
+        "FID statistics, IS, precision/recall, KID, feature extraction, image sources",
+    ),
+    (
         "attnjax.train",
         3,
         "the loop and what it stands on: optimiser, checkpoints, reliability, parallelism, metrics",
     ),
     ("attnjax.tasks", 4, "what each task adds: classification, vqgan, prior"),
     ("attnjax.inference", 5, "trained runs used: sampling command, export"),
+    ("attnjax.fid", 6, "the FID command"),
 )
 LAYERS = {"attnjax": 0, **{name: layer for name, layer, _ in PACKAGES}}
 TORCH_WORLD = ("torch", "torchvision", "timm", "lpips", "taming")
@@ -210,8 +219,8 @@ def _table_rows() -> list[tuple[str, str, str]]:
 
 def test_every_package_is_a_layer_and_the_docstring_table_matches():
     found = sorted(f"attnjax.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert found == sorted(name for name, _, _ in PACKAGES), "attnjax/ packages != PACKAGES"
-    stray = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-    assert not stray, f"modules outside a layer package: {stray}"
+    commands = sorted(f"attnjax.{p.stem}" for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    listed = sorted(name for name, _, _ in PACKAGES)
+    assert sorted(found + commands) == listed, "attnjax/ packages and top modules != PACKAGES"
     documented = [(layer, name, text) for layer, name, text in _table_rows() if name in LAYERS]
     assert documented == [(str(layer), name, text) for name, layer, text in PACKAGES]

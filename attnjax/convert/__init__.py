@@ -13,6 +13,8 @@ and only inside functions (torch is a development extra).
   minGPT ``.safetensors`` exports.
 - ``lpips``: torchvision VGG16 + ``lpips`` linear layers, with a command line that writes the
   converted file ``attnjax.models.lpips.load_variables`` reads.
+- ``inception``: pytorch-fid's FID Inception v3, with a command line that writes the converted
+  file ``attnjax.models.inception.load_variables`` reads.
 - ``compare``: a layer-by-layer parity report against the PyTorch original
   (``python -m attnjax.convert.compare``).
 """

@@ -1,0 +1,201 @@
+"""FID between two sets of images, with pytorch-fid's command line::
+
+    python -m attnjax.convert.inception pt_inception-2015-12-05-6726825d.pth inception.npz
+    python -m attnjax.fid --inception inception.npz PATH_A PATH_B [--dims 2048] [--batch-size 50]
+    python -m attnjax.fid --inception inception.npz --save-stats PATH OUT.npz
+    python -m attnjax.fid --inception inception.npz PATH_A PATH_B --metrics is,pr,kid
+
+A PATH is a folder of images, a statistics ``.npz`` (``mu``, ``sigma``: pytorch-fid's, read and
+written) or ``tfds:NAME:SPLIT``. The last line printed is ``FID: <value>``; ``--metrics`` adds
+the Inception Score of PATH_A (``is``), precision and recall of PATH_A (generated) against
+PATH_B (real) (``pr``) and the KID (``kid``), on the same features, printed before it.
+``--save-stats`` writes PATH's statistics to OUT.npz and never overwrites OUT.
+
+Exit status: 0 done, 2 bad input (one line on stderr naming what is wrong).
+
+From Python, ``evaluate`` takes any ``FeatureExtractor``: another network's features give a
+domain FID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from attnjax.metrics import scores, sources
+from attnjax.metrics.features import FeatureExtractor
+from attnjax.metrics.statistics import (
+    GaussianStatistics,
+    frechet_distance,
+    save_statistics,
+)
+
+DIMS = (64, 192, 768, 2048)
+METRICS = ("is", "pr", "kid")
+ISC_FEATURE = "logits_unbiased"  # torch-fidelity's and the original Inception Score's
+
+
+def measure(source, extractor: FeatureExtractor, feature: str, keep=(), progress: bool = True):
+    """An image source through ``extractor`` -> (``(mu, sigma)`` of its ``feature``, the
+    ``keep`` outputs of every image as ``{name: [n, d]}``)."""
+    statistics, kept = GaussianStatistics(), {name: [] for name in keep}
+    batches = source.batches(extractor.batch_size)
+    for outputs in extractor(batches, len(source), progress, description=source.path):
+        if feature not in outputs:
+            raise ValueError(f"the feature function gives {sorted(outputs)}, not {feature!r}")
+        statistics.update(outputs[feature])
+        for name in keep:
+            kept[name].append(outputs[name])
+    if statistics.count < 2:
+        raise ValueError(f"{source.path!r}: {statistics.count} image(s); a covariance needs 2")
+    arrays = {name: np.concatenate(parts) for name, parts in kept.items()}
+    return (statistics.mean, statistics.covariance), arrays
+
+
+def evaluate(
+    path_a: str,
+    path_b: str,
+    extractor: FeatureExtractor | None,
+    feature: str = "2048",
+    metrics=(),
+    data_dir: str | None = None,
+    progress: bool = True,
+    isc_splits: int = 10,
+    kid_subset_size: int = 1000,
+) -> dict[str, float]:
+    """``{"fid": ...}`` of two PATHs, plus ``"is_mean"``, ``"is_std"`` (``"is"``, on PATH_A's
+    ``"logits_unbiased"``), ``"precision"``, ``"recall"`` (``"pr"``) and ``"kid_mean"``,
+    ``"kid_std"`` (``"kid"``) when asked; PATH_A is the generated set."""
+    opened = [sources.open_source(path, data_dir) for path in (path_a, path_b)]
+    if extractor is None and not all(isinstance(s, sources.Statistics) for s in opened):
+        raise ValueError("images need a network: pass --inception WEIGHTS.npz")
+    keep = [[feature] if "pr" in metrics or "kid" in metrics else [] for _ in opened]
+    if "is" in metrics:
+        keep[0].append(ISC_FEATURE)
+    gaussians, kept = [], []
+    for source, names in zip(opened, keep):
+        if isinstance(source, sources.Statistics):
+            if names:
+                raise ValueError(f"{source.path!r}: --metrics {','.join(metrics)} needs images")
+            gaussians.append((source.mu, source.sigma))
+            kept.append({})
+        else:
+            gaussian, arrays = measure(source, extractor, feature, names, progress)
+            gaussians.append(gaussian)
+            kept.append(arrays)
+    results = {}
+    if "is" in metrics:
+        results["is_mean"], results["is_std"] = scores.inception_score(
+            kept[0][ISC_FEATURE], splits=isc_splits
+        )
+    if "pr" in metrics:
+        results["precision"], results["recall"] = scores.precision_recall(
+            kept[0][feature], kept[1][feature]
+        )
+    if "kid" in metrics:
+        results["kid_mean"], results["kid_std"] = scores.kernel_inception_distance(
+            kept[0][feature], kept[1][feature], subset_size=kid_subset_size
+        )
+    (mu1, sigma1), (mu2, sigma2) = gaussians
+    results["fid"] = frechet_distance(mu1, sigma1, mu2, sigma2)
+    return results
+
+
+def inception_extractor(weights: str, dims: int, batch_size: int, with_logits: bool):
+    """pytorch-fid's Inception from converted ``weights`` as a ``FeatureExtractor`` of the
+    ``dims`` features (and the unbiased logits)."""
+    from attnjax.models import inception
+
+    outputs = (str(dims), ISC_FEATURE) if with_logits else (str(dims),)
+    model = inception.InceptionV3(outputs=outputs)
+    return FeatureExtractor(model.apply, inception.load_variables(weights), batch_size)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m attnjax.fid",
+        description="FID (and IS, precision/recall, KID) of two image sets, as pytorch-fid.",
+    )
+    parser.add_argument("--inception", help="converted Inception weights (.npz)")
+    parser.add_argument("--batch-size", type=int, default=50, help="images per step")
+    parser.add_argument("--dims", type=int, default=2048, choices=DIMS, help="feature depth")
+    parser.add_argument("--save-stats", action="store_true", help="write PATH's stats to OUT")
+    parser.add_argument("--metrics", default="", help="comma-separated extras: is, pr, kid")
+    parser.add_argument("--isc-splits", type=int, default=10, help="Inception Score splits")
+    parser.add_argument("--kid-subset-size", type=int, default=1000, help="KID subset size")
+    parser.add_argument("--data-dir", help="TFDS data dir (default $TFDS_DATA_DIR)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("path", nargs=2, help="folders, statistics .npz or tfds:NAME:SPLIT")
+    return parser
+
+
+def _use_every_core() -> None:
+    # XLA:CPU runs each convolution on one thread: one CPU device per core splits the batch.
+    from attnjax.ops.platform import cpu_cores
+    from attnjax.train import parallel
+
+    parallel.set_cpu_devices(cpu_cores())
+
+
+def _run(args) -> list[str]:
+    metrics = tuple(name for name in args.metrics.split(",") if name)
+    unknown = sorted(set(metrics) - set(METRICS))
+    if unknown:
+        raise ValueError(f"--metrics {args.metrics!r}: unknown {unknown}; known {list(METRICS)}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    extractor = None
+    if args.inception is not None:
+        extractor = inception_extractor(args.inception, args.dims, args.batch_size, "is" in metrics)
+    progress = not args.no_progress
+    if args.save_stats:
+        source, out = args.path
+        if not out.endswith(".npz"):
+            raise ValueError(f"--save-stats: OUT {out!r} must end in .npz")
+        opened = sources.open_source(source, args.data_dir)
+        if isinstance(opened, sources.Statistics):
+            raise ValueError(f"--save-stats: {source!r} holds statistics already, not images")
+        if extractor is None:
+            raise ValueError("images need a network: pass --inception WEIGHTS.npz")
+        if os.path.exists(out):
+            raise ValueError(f"--save-stats: OUT {out!r} exists; not overwriting it")
+        (mu, sigma), _ = measure(opened, extractor, str(args.dims), progress=progress)
+        return [f"wrote {save_statistics(out, mu, sigma)}"]
+    results = evaluate(
+        *args.path,
+        extractor,
+        str(args.dims),
+        metrics,
+        args.data_dir,
+        progress,
+        args.isc_splits,
+        args.kid_subset_size,
+    )
+    lines = []
+    if "is" in metrics:
+        lines.append(f"IS: {results['is_mean']} +- {results['is_std']}")
+    if "pr" in metrics:
+        lines += [f"precision: {results['precision']}", f"recall: {results['recall']}"]
+    if "kid" in metrics:
+        lines.append(f"KID: {results['kid_mean']} +- {results['kid_std']}")
+    return [*lines, f"FID: {results['fid']}"]
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        lines = _run(args)
+    except (ValueError, OSError) as error:
+        print(f"python -m attnjax.fid: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    _use_every_core()  # here, not in main(): a caller in-process keeps its own devices
+    sys.exit(main())
