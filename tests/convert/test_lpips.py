@@ -1,10 +1,13 @@
 """attnjax.convert.lpips: torchvision / lpips key layouts, and the command line that writes the
 converted file, checked against the ``lpips`` package's own LPIPS."""
 
+import contextlib
+import io
 import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import chex
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ import torch
 import torchvision
 from helpers import assert_close, lpips_distance
 
+from attnjax.convert import lpips as convert_lpips
 from attnjax.convert.lpips import lpips_from_torch
 from attnjax.models import lpips
 
@@ -69,7 +73,8 @@ def test_missing_parts_raise(lpips_reference):
         )
 
 
-def _convert(*args):
+def _convert_in_a_subprocess(*args):
+    """``python -m attnjax.convert.lpips ARGS``, the command as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "attnjax.convert.lpips", *map(str, args)],
         capture_output=True,
@@ -79,12 +84,22 @@ def _convert(*args):
     )
 
 
+def _convert(*args):
+    """The command's ``main`` in this process (no interpreter start-up): exit code and output."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        returncode = convert_lpips.main(list(map(str, args)))
+    return types.SimpleNamespace(
+        returncode=returncode, stdout=stdout.getvalue(), stderr=stderr.getvalue()
+    )
+
+
 def test_command_line_round_trip(tmp_path, lpips_reference):
     reference = lpips_reference
     vgg_path = tmp_path / "vgg16.safetensors"
     safetensors.torch.save_file(_torchvision_trunk(reference), str(vgg_path))
     out = tmp_path / "lpips_vgg.npz"
-    result = _convert(vgg_path, SHIPPED_LINEAR, out)
+    result = _convert_in_a_subprocess(vgg_path, SHIPPED_LINEAR, out)
     assert result.returncode == 0, result.stderr
     variables = lpips.load_variables(out)
     a, b = _image_pair(2)
