@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import math
 import pathlib
+import pickle
 import re
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -452,3 +454,35 @@ def make_torchvision_importable() -> None:
     ):
         library.define(schema)
     _TORCHVISION_SCHEMAS.append(library)  # a Library undoes its definitions when collected
+
+
+def write_converted(prog: str, out, sources, convert: Callable[[], Any], save, force: bool) -> int:
+    """The body of a converter command: checks ``out`` (an ``.npz`` not yet there, or ``force``)
+    and the ``sources`` files, runs ``convert()`` and writes its result with ``save(result,
+    out)`` -> the exit status. Bad input is one line on stderr (status 2) and writes nothing."""
+    out = pathlib.Path(out)
+    try:
+        if out.suffix != ".npz":
+            raise ValueError(f"OUT must end in .npz (numpy would append it), got {str(out)!r}")
+        if out.exists() and not force:
+            raise ValueError(f"OUT {str(out)!r} exists; pass --force to overwrite it")
+        for source in sources:
+            if source is not None and not pathlib.Path(source).is_file():
+                raise ValueError(f"no weights file at {source!r}")
+        result = convert()
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+        RuntimeError,
+        EOFError,
+        pickle.UnpicklingError,
+    ) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        message = " ".join(str(message).split())  # one line, whatever torch put in it
+        print(f"{prog}: {message}", file=sys.stderr)
+        return 2
+    save(result, out)
+    print(f"wrote {out}")
+    return 0

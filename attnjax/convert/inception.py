@@ -11,8 +11,6 @@ no auxiliary head), read with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import argparse
-import pathlib
-import pickle
 import sys
 
 from attnjax.convert.common import (
@@ -22,6 +20,7 @@ from attnjax.convert.common import (
     conv2d,
     linear,
     load_state_dict,
+    write_converted,
 )
 
 # Every conv is a BasicConv2d (``.conv`` + ``.bn``) in the stem (``Conv2d_1a_3x3``) or in a
@@ -63,33 +62,16 @@ def main(argv=None) -> int:
     parser.add_argument("out", help="the converted weights to write (.npz)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     args = parser.parse_args(argv)
-    out = pathlib.Path(args.out)
-    try:
-        if out.suffix != ".npz":
-            raise ValueError(f"OUT must end in .npz (numpy would append it), got {str(out)!r}")
-        if out.exists() and not args.force:
-            raise ValueError(f"OUT {str(out)!r} exists; pass --force to overwrite it")
-        if not pathlib.Path(args.weights).is_file():
-            raise ValueError(f"no weights file at {args.weights!r}")
-        variables = inception_from_torch(args.weights)
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        OSError,
-        RuntimeError,
-        EOFError,
-        pickle.UnpicklingError,
-    ) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        message = " ".join(str(message).split())  # one line, whatever torch put in it
-        print(f"python -m attnjax.convert.inception: {message}", file=sys.stderr)
-        return 2
     from attnjax.models import inception
 
-    inception.save_variables(variables, out)
-    print(f"wrote {out}")
-    return 0
+    return write_converted(
+        "python -m attnjax.convert.inception",
+        args.out,
+        [args.weights],
+        lambda: inception_from_torch(args.weights),
+        inception.save_variables,
+        args.force,
+    )
 
 
 if __name__ == "__main__":

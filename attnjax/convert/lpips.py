@@ -11,11 +11,9 @@ file already holds the ``lin*`` weights (a whole ``lpips.LPIPS(net="vgg")`` stat
 from __future__ import annotations
 
 import argparse
-import pathlib
-import pickle
 import sys
 
-from attnjax.convert.common import apply_key_table, conv2d, load_state_dict
+from attnjax.convert.common import apply_key_table, conv2d, load_state_dict, write_converted
 
 # torchvision ``vgg16().features.N`` or lpips' ``net.sliceK.N`` -> the trunk conv ``features_N``;
 # lpips' ``linK.model.1`` (``model.0`` when saved without dropout) -> the 1x1 conv ``linK``.
@@ -71,32 +69,16 @@ def main(argv=None) -> int:
     parser.add_argument("out", help="the converted weights to write (.npz)")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     args = parser.parse_args(argv)
-    out = pathlib.Path(args.out)
-    try:
-        if out.suffix != ".npz":
-            raise ValueError(f"OUT must end in .npz (numpy would append it), got {str(out)!r}")
-        if out.exists() and not args.force:
-            raise ValueError(f"OUT {str(out)!r} exists; pass --force to overwrite it")
-        for source in (args.vgg, args.linear):
-            if source is not None and not pathlib.Path(source).is_file():
-                raise ValueError(f"no weights file at {source!r}")
-        _, variables = lpips_from_torch(args.vgg, args.linear)
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        OSError,
-        RuntimeError,
-        pickle.UnpicklingError,
-    ) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"python -m attnjax.convert.lpips: {message}", file=sys.stderr)
-        return 2
     from attnjax.models import lpips
 
-    lpips.save_variables(variables, out)
-    print(f"wrote {out}")
-    return 0
+    return write_converted(
+        "python -m attnjax.convert.lpips",
+        args.out,
+        [args.vgg, args.linear],
+        lambda: lpips_from_torch(args.vgg, args.linear)[1],
+        lpips.save_variables,
+        args.force,
+    )
 
 
 if __name__ == "__main__":

@@ -26,14 +26,14 @@ here without torch (``load_variables``).
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from attnjax.models import weights_file
 
 Array = jax.Array
 
@@ -277,41 +277,15 @@ class InceptionV3(nn.Module):
 
 def save_variables(variables, path) -> str:
     """Writes Inception variables to ``path`` (.npz), keys as ``/``-joined paths."""
-    flat = flax.traverse_util.flatten_dict(jax.device_get(variables), sep="/")
-    path = os.fspath(path)
-    np.savez(path, **{key: np.asarray(value, np.float32) for key, value in flat.items()})
-    return path
+    return weights_file.save_variables(variables, path)
 
 
 def load_variables(path) -> dict:
     """Reads the variables ``save_variables`` wrote; every array and shape is checked, and a bad
     file raises a ValueError in one line naming it."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"Inception weights: no file {path!r} "
-            "(convert them once with python -m attnjax.convert.inception)"
-        )
-    try:
-        with np.load(path, allow_pickle=False) as arrays:
-            flat = {key: arrays[key] for key in arrays.files}
-    except (OSError, ValueError, EOFError) as error:
-        raise ValueError(f"Inception weights {path!r}: not a readable .npz ({error})") from None
     expected = jax.eval_shape(
         InceptionV3(outputs=OUTPUTS).init, jax.random.key(0), jnp.zeros((1, SIZE, SIZE, 3))
     )
-    expected = flax.traverse_util.flatten_dict(expected, sep="/")
-    missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"Inception weights {path!r}: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    for key, spec in expected.items():
-        if flat[key].shape != spec.shape:
-            raise ValueError(
-                f"Inception weights {path!r}: {key} has shape {flat[key].shape}, "
-                f"expected {spec.shape}"
-            )
-    return flax.traverse_util.unflatten_dict(
-        {key: jnp.asarray(value, jnp.float32) for key, value in flat.items()}, sep="/"
+    return weights_file.load_variables(
+        path, expected, what="Inception weights", command="python -m attnjax.convert.inception"
     )

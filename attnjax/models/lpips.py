@@ -14,14 +14,11 @@ layers shipped inside the ``lpips`` package (``lpips/weights/v0.1/vgg.pth``), co
 
 from __future__ import annotations
 
-import os
-
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from attnjax.models import weights_file
 from attnjax.ops import convolution
 
 Array = jax.Array
@@ -112,36 +109,14 @@ class LPIPS(nn.Module):
 
 def save_variables(variables, path) -> str:
     """Write LPIPS variables to ``path`` (.npz), keys as ``/``-joined paths (``params/net/...``)."""
-    flat = flax.traverse_util.flatten_dict(jax.device_get(variables), sep="/")
-    path = os.fspath(path)
-    np.savez(path, **{key: np.asarray(value, np.float32) for key, value in flat.items()})
-    return path
+    return weights_file.save_variables(variables, path)
 
 
 def load_variables(path) -> dict:
     """Read LPIPS variables written by ``save_variables``; checks every expected array and shape."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"LPIPS weights: no file {path!r} "
-            "(convert them once with python -m attnjax.convert.lpips)"
-        )
-    with np.load(path, allow_pickle=False) as arrays:
-        flat = {key: arrays[key] for key in arrays.files}
     expected = jax.eval_shape(
         LPIPS().init, jax.random.key(0), jnp.zeros((1, 16, 16, 3)), jnp.zeros((1, 16, 16, 3))
     )
-    expected = flax.traverse_util.flatten_dict(expected, sep="/")
-    missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"LPIPS weights {path!r}: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    for key, spec in expected.items():
-        if flat[key].shape != spec.shape:
-            raise ValueError(
-                f"LPIPS weights {path!r}: {key} has shape {flat[key].shape}, expected {spec.shape}"
-            )
-    return flax.traverse_util.unflatten_dict(
-        {key: jnp.asarray(value) for key, value in flat.items()}, sep="/"
+    return weights_file.load_variables(
+        path, expected, what="LPIPS weights", command="python -m attnjax.convert.lpips"
     )
