@@ -25,16 +25,15 @@ import time
 from collections.abc import Callable
 
 import jax
-import numpy as np
 
 from attnjax.ops.platform import processor
 
 ENV_SWITCH = "ATTNJAX_CPU_AUTOTUNE"
 ENV_CACHE = "ATTNJAX_CPU_AUTOTUNE_CACHE"
-REPEATS = 5
+REPEATS = 7
 # Another candidate replaces the default only when at least this much faster: closer timings are
 # within the noise of a few repetitions, and the default is the program every machine runs.
-MARGIN = 0.1
+MARGIN = 0.05
 
 _enabled: bool | None = None  # set_enabled's override of $ATTNJAX_CPU_AUTOTUNE
 _choices: dict[str, str] = {}  # this process's choices, read from or written to the cache
@@ -87,8 +86,9 @@ def _write(path: pathlib.Path, name: str, entry: dict) -> None:
 def time_candidates(
     candidates: dict[str, Callable[[], Callable[[], object]]], repeats: int = REPEATS
 ) -> dict[str, float]:
-    """Median seconds of each candidate's call, after one warm-up call each. The calls alternate
-    (A B A B ...), so a load that comes and goes weighs on every candidate alike."""
+    """The fastest of ``repeats`` calls of each candidate in seconds, after one warm-up call each.
+    The calls alternate (A B A B ...), so a load that comes and goes weighs on every candidate
+    alike, and the minimum is the call it disturbed least."""
     with jax.ensure_compile_time_eval():
         calls = {name: build() for name, build in candidates.items()}
         for call in calls.values():
@@ -99,7 +99,7 @@ def time_candidates(
                 start = time.perf_counter()
                 call()
                 times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return {name: min(t) for name, t in times.items()}
 
 
 def choose(

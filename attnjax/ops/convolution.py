@@ -149,27 +149,32 @@ def _product_kernel_gradient(lhs, d_out, kernel, strides, pads, precision):
 
 
 def kernel_gradient_candidates(lhs_shape, rhs_shape, strides, pads, dtype, precision=None):
-    """``{"xla": build, "products": build}``: each ``build()`` compiles that kernel gradient of
-    an NHWC/HWIO convolution on random operands and returns a call that blocks until done."""
+    """``{"xla": build, "products": build}``: each ``build()`` compiles the forward pass and both
+    gradients of an NHWC/HWIO convolution, with that kernel gradient, on random operands and
+    returns a call that blocks until done and returns ``(d_lhs, d_rhs)``. The whole backward
+    pass, not the kernel gradient alone: the two gradients compete for the same cores and
+    caches, and alone XLA's looked faster than it runs in a train step."""
     strides, pads = tuple(strides), tuple(map(tuple, pads))
     out_spatial = output_spatial(lhs_shape[1:3], rhs_shape[:2], strides, pads)
     out_shape = (lhs_shape[0], *out_spatial, rhs_shape[3])
 
     def build(products: bool):
-        def grad(lhs, rhs, d_out):
+        def conv(lhs, rhs):
             if products:
-                return _product_kernel_gradient(lhs, d_out, rhs.shape[:2], strides, pads, precision)
-            conv = lambda w: lax.conv_general_dilated(
-                lhs, w, strides, pads, dimension_numbers=_NHWC, precision=precision
+                return conv_with_product_kernel_grad(lhs, rhs, strides, pads, precision)
+            return lax.conv_general_dilated(
+                lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision
             )
-            return jax.vjp(conv, rhs)[1](d_out)[0]
+
+        def grads(lhs, rhs, d_out):
+            return jax.vjp(conv, lhs, rhs)[1](d_out)
 
         rng = np.random.default_rng(0)
         args = [
             rng.standard_normal(s).astype(jnp.dtype(dtype))
             for s in (lhs_shape, rhs_shape, out_shape)
         ]
-        compiled = jax.jit(grad).lower(*args).compile()
+        compiled = jax.jit(grads).lower(*args).compile()
         return lambda: jax.block_until_ready(compiled(*args))
 
     return {"xla": lambda: build(False), "products": lambda: build(True)}
