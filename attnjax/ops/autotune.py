@@ -110,7 +110,8 @@ def choose(
 ) -> str:
     """The fastest candidate's name for ``rule`` at ``key`` on this processor, timed once and then
     read from the cache; ``default`` when timing is off or no candidate beats it by ``MARGIN``."""
-    if not enabled():
+    # The processes of one multi-process run must trace the same program: no per-host timings.
+    if not enabled() or jax.process_count() > 1:
         return default
     name = cache_key(rule, key)
     if name not in _choices:
