@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax.ops import autotune
 from attnjax.ops.blocked_attention import (
+    CPU_TIMED_BELOW,
     blocked_dot_product_attention,
     choose_implementation,
     cudnn_eligible,
@@ -184,6 +186,12 @@ def dot_product_attention(
         implementation = choose_implementation(
             jax.default_backend(), query.dtype, length, key_length, depth, value.shape[-1]
         )
+        if (
+            implementation in ("explicit", "blocked")
+            and jax.default_backend() == "cpu"
+            and max(length, key_length) < CPU_TIMED_BELOW
+        ):
+            implementation = timed_cpu_path(query, key, value, mask, is_causal, implementation)
     if implementation == "blocked" and not needs_weights:
         return blocked_dot_product_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale
@@ -220,6 +228,47 @@ def dot_product_attention(
         # [batch?, heads?, L, 1] -> [batch?, L, heads?, 1], to match the output layout.
         out = jnp.where(jnp.swapaxes(row_valid, 1, 2), out, 0.0)
     return out
+
+
+def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
+    """``"xla"`` (where ``E == Ev``), ``"explicit"`` or ``"blocked"``, whichever runs this call's
+    forward and backward fastest on this processor, timed once per shape
+    (``attnjax.ops.autotune``); ``default`` with the timing off. Which wins below
+    ``CPU_TIMED_BELOW`` tokens depends on the processor's caches, the batch and the mask
+    (benchmarks/results/cpu_rules.md)."""
+    shapes = [(x.shape, x.dtype) for x in (query, key, value)]
+    mask_shape = None if mask is None else jnp.shape(mask)
+    mask_dtype = None if mask is None else jnp.result_type(mask)
+
+    def build(implementation):
+        def grads(q, k, v, m, d_out):
+            def attend(q, k, v):
+                return dot_product_attention(
+                    q, k, v, m, is_causal=is_causal, implementation=implementation
+                )
+
+            # A cotangent from outside, as in a train step: a constant one lets XLA fold it.
+            return jax.vjp(attend, q, k, v)[1](d_out)
+
+        rng = np.random.default_rng(0)
+        args = [rng.standard_normal(shape).astype(dtype) for shape, dtype in shapes]
+        # Everything allowed: the paths' speed does not hang on the mask's values.
+        allowed = None
+        if mask is not None:
+            fill = np.ones if jnp.issubdtype(mask_dtype, jnp.bool_) else np.zeros
+            allowed = fill(mask_shape, mask_dtype)
+        d_out = rng.standard_normal((*query.shape[:3], value.shape[-1]))
+        args += [allowed, d_out.astype(jnp.promote_types(query.dtype, value.dtype))]
+        compiled = jax.jit(grads).lower(*args).compile()
+        return lambda: jax.block_until_ready(compiled(*args))
+
+    key_text = (
+        f"{[(tuple(s), jnp.dtype(d).name) for s, d in shapes]} causal {bool(is_causal)} "
+        f"mask {None if mask is None else (tuple(mask_shape), jnp.dtype(mask_dtype).name)}"
+    )
+    names = ["explicit", "blocked"] + (["xla"] if query.shape[-1] == value.shape[-1] else [])
+    candidates = {name: (lambda name=name: build(name)) for name in names}
+    return autotune.choose("cpu_attention", key_text, candidates, default=default)
 
 
 def _fold_leading(x, leading: tuple):

@@ -30,12 +30,18 @@ from attnjax.ops.masks import as_4d, check_mask_shape, split_mask
 
 Array = jax.Array
 
-# The thresholds and tile sizes are crossovers measured on CPU (benchmarks/attention.py; the
-# tables are in benchmarks/results/attention_cpu.md):
+# The thresholds and tile sizes are crossovers measured on more than one CPU
+# (benchmarks/cpu_rules.py; results in benchmarks/results/cpu_rules.md and attention_cpu.md):
 # - from 64 tokens on CPU, the explicit path (heads first, normalised after the value product)
-#   beats XLA's fused attention;
-# - from 512 tokens on CPU the [heads, L, S] scores stop fitting in cache and blocking wins; on
-#   accelerators the plain path stays fast longer, but its memory is quadratic, so 4096 tokens
+#   beats XLA's fused attention, by up to 3x in a forward pass; a causal backward pass at 64 tokens
+#   can be a little slower;
+# - from 512 tokens on CPU the [heads, L, S] scores stop fitting in some processors' caches and
+#   blocking wins there by several times; on others the explicit path stays faster up to about
+#   1024 tokens at a batch of one. So between EXPLICIT_MIN_LENGTH_CPU and CPU_TIMED_BELOW tokens
+#   attention.dot_product_attention times the fused, explicit and blocked paths once per shape on
+#   the machine (attnjax.ops.autotune), this rule being the default; from 1024 tokens blocking
+#   won on every processor measured;
+# - on accelerators the plain path stays fast longer, but its memory is quadratic, so 4096 tokens
 #   (512 MiB of scores per batch of 8 float32 heads) is where blocking starts there;
 # - from 1024 tokens on CPU, query tiles of 512 over key tiles of 256: a taller tile reuses each
 #   key/value tile over more query rows.
@@ -47,6 +53,7 @@ DEFAULT_KEY_BLOCK = 128
 CPU_LONG_QUERY_BLOCK = 512
 CPU_LONG_KEY_BLOCK = 256
 CPU_LONG_BLOCK_FROM = 1024
+CPU_TIMED_BELOW = 1024
 
 
 def cudnn_eligible(backend: str, dtype, head_dim: int) -> bool:

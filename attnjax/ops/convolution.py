@@ -16,17 +16,20 @@ discriminator's last layers). The patches are at most ``kh * kw`` times a featur
 small, and their gradient is slices and pads, with no convolution left for XLA to lower.
 
 From 16x16 output maps and 64 x 64 channels, on XLA:CPU with fewer devices than cores, the
-forward pass and the input gradient stay on ``lax.conv_general_dilated`` but the kernel gradient
-is taken as ``kh * kw`` matrix products (threaded, where XLA's convolutions run on one thread)
-instead of the convolution XLA derives for it, its slowest::
+kernel gradient can instead be taken as ``kh * kw`` matrix products (threaded, where XLA's
+convolutions run on one thread), the forward pass and the input gradient staying on
+``lax.conv_general_dilated``::
 
     d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out
 
-each ``[c_in, c_out]``. Below those sizes XLA's own is as fast or faster, and so it is with one
-CPU device per core (``attnjax.train.parallel.use_cpu_cores``), where every core already runs a
-convolution of its share of the batch. Every other case is ``lax.conv_general_dilated``.
-The measurements behind these rules: benchmarks/results/convolution_cpu.md. Outputs and
-gradients equal XLA's to float32 rounding (``tests/ops/test_convolution.py``).
+each ``[c_in, c_out]``. Whether that beats the convolution XLA derives for it depends on the
+processor (faster on one 2-core EPYC, 1.5x slower in a VQGAN step on a 2-core Xeon), so it is
+timed against XLA's once per shape on the machine at hand (``attnjax.ops.autotune``); with the
+timing off, XLA's own runs. Smaller maps, fewer channels and one CPU device per core
+(``attnjax.train.parallel.use_cpu_cores``, every core already busy with its share of the batch)
+keep XLA's own without timing. Every other case is ``lax.conv_general_dilated``.
+The measurements behind these rules: benchmarks/results/cpu_rules.md. Outputs and gradients
+equal XLA's to float32 rounding (``tests/ops/test_convolution.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from attnjax.ops import autotune
 from attnjax.ops.platform import cpu_cores
 
 Array = jax.Array
@@ -103,9 +108,9 @@ def conv_as_patches(
     )
 
 
-# Output maps of at least this many positions, with at least this many input x output channels,
-# take the matrix-product kernel gradient: below them XLA's own is as fast or faster
-# (benchmarks/results/convolution_cpu.md).
+# Only output maps of at least this many positions, with at least this many input x output
+# channels, time the matrix-product kernel gradient against XLA's: below them it lost on every
+# processor measured (benchmarks/results/cpu_rules.md), and timing costs compiles.
 PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
 PRODUCT_KERNEL_GRAD_MIN_CHANNELS = 64 * 64
 
@@ -114,10 +119,77 @@ def _cores_left_idle() -> bool:
     """Whether XLA:CPU would leave cores idle during a one-threaded convolution: fewer CPU
     devices than cores. With one device per core (``attnjax.train.parallel.use_cpu_cores``) the
     split batch keeps every core busy, and XLA's own kernel gradient is the faster one
-    (benchmarks/results/convolution_cpu.md)."""
+    (benchmarks/results/cpu_rules.md)."""
     if jax.default_backend() != "cpu":
         return False
     return jax.local_device_count() < cpu_cores()
+
+
+def _product_kernel_gradient(lhs, d_out, kernel, strides, pads, precision):
+    """``d_rhs [kh, kw, c_in, c_out]`` of an NHWC/HWIO convolution as ``kh * kw`` products."""
+    kh, kw = kernel
+    (sh, sw), (pad_h, pad_w) = strides, pads
+    padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
+    out_h, out_w = d_out.shape[1:3]
+    d_rhs = jnp.stack(
+        [
+            jnp.einsum(
+                "bhwc,bhwo->co",
+                padded[
+                    :, di : di + (out_h - 1) * sh + 1 : sh, dj : dj + (out_w - 1) * sw + 1 : sw, :
+                ],
+                d_out,
+                precision=precision,
+            )
+            for di in range(kh)
+            for dj in range(kw)
+        ]
+    )
+    return d_rhs.reshape(kh, kw, lhs.shape[-1], d_out.shape[-1])
+
+
+def kernel_gradient_candidates(lhs_shape, rhs_shape, strides, pads, dtype, precision=None):
+    """``{"xla": build, "products": build}``: each ``build()`` compiles the forward pass and both
+    gradients of an NHWC/HWIO convolution, with that kernel gradient, on random operands and
+    returns a call that blocks until done and returns ``(d_lhs, d_rhs)``. The whole backward
+    pass, not the kernel gradient alone: the two gradients compete for the same cores and
+    caches, and alone XLA's looked faster than it runs in a train step."""
+    strides, pads = tuple(strides), tuple(map(tuple, pads))
+    out_spatial = output_spatial(lhs_shape[1:3], rhs_shape[:2], strides, pads)
+    out_shape = (lhs_shape[0], *out_spatial, rhs_shape[3])
+
+    def build(products: bool):
+        def conv(lhs, rhs):
+            if products:
+                return conv_with_product_kernel_grad(lhs, rhs, strides, pads, precision)
+            return lax.conv_general_dilated(
+                lhs, rhs, strides, pads, dimension_numbers=_NHWC, precision=precision
+            )
+
+        def grads(lhs, rhs, d_out):
+            return jax.vjp(conv, lhs, rhs)[1](d_out)
+
+        rng = np.random.default_rng(0)
+        args = [
+            rng.standard_normal(s).astype(jnp.dtype(dtype))
+            for s in (lhs_shape, rhs_shape, out_shape)
+        ]
+        compiled = jax.jit(grads).lower(*args).compile()
+        return lambda: jax.block_until_ready(compiled(*args))
+
+    return {"xla": lambda: build(False), "products": lambda: build(True)}
+
+
+def kernel_gradient_path(lhs_shape, rhs_shape, strides, pads, dtype, precision=None) -> str:
+    """``"products"`` or ``"xla"``: the faster kernel gradient of this convolution on this
+    processor, timed once (``attnjax.ops.autotune``); ``"xla"`` with the timing off."""
+    strides, pads = tuple(strides), tuple(map(tuple, pads))
+    key = (
+        f"{jnp.dtype(dtype).name} lhs {tuple(lhs_shape)} rhs {tuple(rhs_shape)} "
+        f"strides {strides} pads {pads} precision {precision}"
+    )
+    candidates = kernel_gradient_candidates(lhs_shape, rhs_shape, strides, pads, dtype, precision)
+    return autotune.choose("conv_kernel_gradient", key, candidates, default="xla")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -144,25 +216,8 @@ def _product_kernel_grad_bwd(strides, pads, precision, residuals, d_out):
         lhs,
     )
     (d_lhs,) = input_vjp(d_out)
-    kh, kw = rhs.shape[:2]
-    (sh, sw), (pad_h, pad_w) = strides, pads
-    padded = jnp.pad(lhs, ((0, 0), pad_h, pad_w, (0, 0)))
-    out_h, out_w = d_out.shape[1:3]
-    d_rhs = jnp.stack(
-        [
-            jnp.einsum(
-                "bhwc,bhwo->co",
-                padded[
-                    :, di : di + (out_h - 1) * sh + 1 : sh, dj : dj + (out_w - 1) * sw + 1 : sw, :
-                ],
-                d_out,
-                precision=precision,
-            )
-            for di in range(kh)
-            for dj in range(kw)
-        ]
-    )
-    return d_lhs, d_rhs.reshape(rhs.shape).astype(rhs.dtype)
+    d_rhs = _product_kernel_gradient(lhs, d_out, rhs.shape[:2], strides, pads, precision)
+    return d_lhs, d_rhs.astype(rhs.dtype)
 
 
 conv_with_product_kernel_grad.defvjp(_product_kernel_grad_fwd, _product_kernel_grad_bwd)
@@ -182,7 +237,7 @@ def conv_general_dilated(
     preferred_element_type=None,
 ) -> Array:
     """``lax.conv_general_dilated``, as patches times a matrix where XLA:CPU's kernels do not apply,
-    with a matrix-product kernel gradient on large maps."""
+    with a matrix-product kernel gradient on large maps where that is faster here."""
     plain = (
         lhs.ndim == 4
         and _is_nhwc(dimension_numbers, lhs, rhs)
@@ -201,7 +256,15 @@ def conv_general_dilated(
             out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
             and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS
         )
-        if large and min(min(p) for p in pads) >= 0 and _cores_left_idle():
+        if (
+            large
+            and min(min(p) for p in pads) >= 0
+            and _cores_left_idle()
+            and kernel_gradient_path(
+                lhs.shape, rhs.shape, window_strides, pads, lhs.dtype, precision
+            )
+            == "products"
+        ):
             return conv_with_product_kernel_grad(
                 lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)), precision
             )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from attnjax.ops import attention, blocked_attention
+from attnjax.ops import attention, autotune, blocked_attention
 
 F = torch.nn.functional
 # Small tiles, so every case below spans several query and key blocks and ragged last blocks.
@@ -224,6 +224,38 @@ def test_dispatch_rule():
         choose("cpu", jnp.float32, 65, 65, 64, 64) == "explicit"
     )  # the CIFAR ViT's 64 patches + class
     assert choose("cpu", jnp.float32, 63, 63, 64, 64) is None
+
+
+@pytest.mark.parametrize("fastest", ["xla", "blocked"])
+def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch, tmp_path):
+    """Between the explicit threshold and CPU_TIMED_BELOW tokens the path is timed once per shape
+    (faked here: outcomes never hang on timing), each with the same values and gradients."""
+    monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cpu_rules.json"))
+    monkeypatch.setattr(autotune, "_enabled", True)
+    monkeypatch.setattr(autotune, "_choices", {})
+    timed = []
+
+    def time_candidates(candidates):
+        timed.append(sorted(candidates))
+        return {name: 0.5 if name == fastest else 1.0 for name in candidates}
+
+    monkeypatch.setattr(autotune, "time_candidates", time_candidates)
+    length = blocked_attention.EXPLICIT_MIN_LENGTH_CPU + 3
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, length, 2, 8)).astype(np.float32) for _ in range(3))
+    mask = rng.random((length, length)) > 0.2
+
+    def grads(fn):
+        loss = lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, mask, is_causal=True)))
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+
+    default = grads(attention.dot_product_attention)
+    assert timed == [["blocked", "explicit", "xla"]]
+    lowered = jax.jit(lambda q: attention.dot_product_attention(q, k, v, mask)).lower(q)
+    assert ("while" in lowered.as_text()) == (fastest == "blocked")
+    assert len(timed) == 2  # the causal and the full mask are two shapes
+    for ours, ref in zip(jax.tree.leaves(default), jax.tree.leaves(grads(EXPLICIT))):
+        assert_close(ours, ref, what=f"{fastest} path against the explicit one")
 
 
 def test_default_dispatch_takes_blocked_path_for_long_sequences():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from jax import lax
 
-from attnjax.ops import convolution
+from attnjax.ops import autotune, convolution
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -118,6 +118,7 @@ def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(
     monkeypatch.setattr(
         convolution, "_cores_left_idle", lambda: True
     )  # one CPU device, several cores
+    monkeypatch.setattr(convolution, "kernel_gradient_path", lambda *a, **k: "products")
     rng = np.random.default_rng(2)
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal((kernel, kernel, shape[-1], c_out)).astype(np.float32)
@@ -152,6 +153,7 @@ def test_large_maps_take_the_product_kernel_gradient_and_equal_lax_and_torch(
 def test_one_device_per_core_keeps_xla_kernel_gradient(monkeypatch):
     """With every core holding a CPU device, the split batch keeps the cores busy: XLA's own."""
     monkeypatch.setattr(convolution, "_cores_left_idle", lambda: False)
+    monkeypatch.setattr(convolution, "kernel_gradient_path", lambda *a, **k: "products")
     x, w = jnp.ones((2, 16, 16, 64)), jnp.ones((3, 3, 64, 64))
     grad = jax.grad(
         lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True
@@ -169,3 +171,32 @@ def test_few_channels_keep_xla_kernel_gradient():
     assert (
         jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3
     )  # forward, input and kernel
+
+
+def test_untimed_large_maps_keep_xla_kernel_gradient(monkeypatch):
+    """With the timing off (as in the suite), the kernel gradient is XLA's on every machine."""
+    monkeypatch.setattr(convolution, "_cores_left_idle", lambda: True)
+    monkeypatch.setattr(autotune, "_enabled", False)
+    x, w = jnp.ones((2, 16, 16, 64)), jnp.ones((3, 3, 64, 64))
+    grad = jax.grad(
+        lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True
+    )
+    assert jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3
+
+
+def test_kernel_gradient_candidates_agree_and_the_timed_choice_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cpu_rules.json"))
+    monkeypatch.setattr(autotune, "_enabled", True)
+    monkeypatch.setattr(autotune, "_choices", {})
+    shapes = ((2, 8, 9, 16), (3, 3, 16, 8), (2, 2), ((0, 1), (1, 1)), jnp.float32)
+    candidates = convolution.kernel_gradient_candidates(*shapes)
+    xla, products = (candidates[name]()() for name in ("xla", "products"))
+    for ours, ref in zip(products, xla):  # the input and the kernel gradient
+        ref = np.asarray(ref)
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+    choice = convolution.kernel_gradient_path(*shapes)
+    assert choice in ("xla", "products")
+    monkeypatch.setattr(autotune, "_choices", {})
+    monkeypatch.setattr(autotune, "time_candidates", lambda *a: pytest.fail("timed twice"))
+    assert convolution.kernel_gradient_path(*shapes) == choice  # read back from the disk cache

@@ -1,0 +1,133 @@
+"""Choices between equivalent CPU programs, made by timing both on the processor at hand.
+
+A CPU kernel that wins on one processor can lose on another (benchmarks/results/cpu_rules.md),
+so where attnjax has two programs for the same result it times both once per shape, as cuDNN's
+benchmark mode and XLA's GPU autotuner do, and remembers the winner on disk::
+
+    path = choose("conv_kernel_gradient", key, {"xla": build_xla, "products": build_products},
+                  default="xla")
+
+Each candidate is a thunk that compiles its program and returns a call that blocks until done.
+Choices run at trace time, outside the trace (``jax.ensure_compile_time_eval``), and are cached
+per processor, jax version and key in ``$ATTNJAX_CPU_AUTOTUNE_CACHE`` (default
+``~/.cache/attnjax/cpu_rules.json``). ``ATTNJAX_CPU_AUTOTUNE=0`` or ``set_enabled(False)``
+turns timing off: every choice is then its ``default``, so runs and tests that need the same
+program on every machine get it. The candidates' outputs agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+
+from attnjax.ops.platform import processor
+
+ENV_SWITCH = "ATTNJAX_CPU_AUTOTUNE"
+ENV_CACHE = "ATTNJAX_CPU_AUTOTUNE_CACHE"
+REPEATS = 7
+# Another candidate replaces the default only when at least this much faster: closer timings are
+# within the noise of a few repetitions, and the default is the program every machine runs.
+MARGIN = 0.05
+
+_enabled: bool | None = None  # set_enabled's override of $ATTNJAX_CPU_AUTOTUNE
+_choices: dict[str, str] = {}  # this process's choices, read from or written to the cache
+
+
+def set_enabled(flag: bool | None) -> None:
+    """Turns timing on or off for this process; ``None`` defers to ``$ATTNJAX_CPU_AUTOTUNE``."""
+    global _enabled
+    _enabled = flag
+
+
+def enabled() -> bool:
+    """Whether choices are timed (on unless ``$ATTNJAX_CPU_AUTOTUNE`` is ``0`` or off)."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_path() -> pathlib.Path:
+    if os.environ.get(ENV_CACHE):
+        return pathlib.Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "attnjax" / "cpu_rules.json"
+
+
+def cache_key(rule: str, key: str) -> str:
+    return f"{rule} | {processor()} | jax {jax.__version__} | {key}"
+
+
+def _read(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: time again
+        return {}
+
+
+def _write(path: pathlib.Path, name: str, entry: dict) -> None:
+    """Adds one entry; another process's entries written meanwhile are kept."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = _read(path)
+        table[name] = entry
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:  # a read-only home: the choice still holds for this process
+        pass
+
+
+def time_candidates(
+    candidates: dict[str, Callable[[], Callable[[], object]]], repeats: int = REPEATS
+) -> dict[str, float]:
+    """The fastest of ``repeats`` calls of each candidate in seconds, after one warm-up call each.
+    The calls alternate (A B A B ...), so a load that comes and goes weighs on every candidate
+    alike, and the minimum is the call it disturbed least."""
+    with jax.ensure_compile_time_eval():
+        calls = {name: build() for name, build in candidates.items()}
+        for call in calls.values():
+            call()
+        times = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
+
+
+def choose(
+    rule: str,
+    key: str,
+    candidates: dict[str, Callable[[], Callable[[], object]]],
+    default: str,
+) -> str:
+    """The fastest candidate's name for ``rule`` at ``key`` on this processor, timed once and then
+    read from the cache; ``default`` when timing is off or no candidate beats it by ``MARGIN``."""
+    # The processes of one multi-process run must trace the same program: no per-host timings.
+    if not enabled() or jax.process_count() > 1:
+        return default
+    name = cache_key(rule, key)
+    if name not in _choices:
+        path = cache_path()
+        entry = _read(path).get(name)
+        if entry is None or entry.get("choice") not in candidates:
+            seconds = time_candidates(candidates)
+            fastest = min(seconds, key=seconds.get)
+            if seconds[fastest] > (1 - MARGIN) * seconds[default]:
+                fastest = default
+            entry = {"choice": fastest, "seconds": seconds}
+            _write(path, name, entry)
+        _choices[name] = entry["choice"]
+    return _choices[name]
+
+
+def forget() -> None:
+    """Drops this process's remembered choices (the disk cache is read again)."""
+    _choices.clear()

@@ -1,0 +1,327 @@
+"""Every CPU-specific rule of attnjax against its alternative, on the processor at hand.
+
+    python benchmarks/cpu_rules.py [--repeats 7] [--no-devices]
+
+The rules (``attnjax/ops/convolution.py``, ``blocked_attention.py``, ``train/parallel.py``):
+  * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
+    ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
+  * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
+  * attention: XLA's fused attention below ``EXPLICIT_MIN_LENGTH_CPU`` tokens; up to
+    ``CPU_TIMED_BELOW`` the fused, explicit or blocked path, timed once per shape on the machine;
+    then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
+  * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
+    count in its own process.
+Each row times the chosen path and the alternative alternately (A B A B ...), medians of
+``--repeats``, forward + backward. Prints a table with the processor and writes
+``benchmarks/results/cpu_rules.json`` and ``cpu_rules.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from attnjax.ops import attention, autotune, blocked_attention, convolution
+from attnjax.ops.platform import cpu_cores, processor
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+NHWC = ("NHWC", "HWIO", "NHWC")
+# (lhs [b, h, w, c_in], kernel, c_out, where): the 3x3 convolutions of compare_torch.py's VQGAN
+# rows (taming, ch 64, 32 px, batch 16) and of the digits VQGAN (ch 32, 16 px, batch 32).
+KERNEL_GRADIENT_SHAPES = [
+    ((16, 32, 32, 64), 3, 64, "VQGAN ch64, 32x32 level"),
+    ((16, 16, 16, 128), 3, 128, "VQGAN ch64, 16x16 level"),
+    ((16, 16, 16, 64), 3, 128, "VQGAN ch64, 64 -> 128"),
+    ((32, 16, 16, 32), 3, 32, "digits VQGAN, 16x16 level"),
+]
+# Kernels larger than the map: LPIPS's VGG16 on 32 px images, the PatchGAN's last layers.
+PATCHES_SHAPES = [
+    ((32, 2, 2, 512), 3, 512, 1, "SAME", "LPIPS VGG16 at 2x2"),
+    ((16, 4, 4, 256), 4, 512, 1, ((1, 1), (1, 1)), "PatchGAN 4x4 kernel, 3x3 output"),
+]
+# (batch, tokens, heads, head_dim, causal): either side of each threshold, the CIFAR ViT's 65
+# tokens (batch 128, 8 heads of 32) and compare_torch.py's MHA row (16 x 256 tokens).
+ATTENTION_SHAPES = [
+    (8, 32, 8, 64, True),
+    (8, 64, 8, 64, True),
+    (128, 65, 8, 32, False),
+    (16, 128, 8, 32, True),
+    (8, 197, 8, 64, False),
+    (16, 256, 8, 32, True),
+    (1, 512, 8, 64, True),
+    (4, 512, 8, 64, True),
+    (1, 512, 8, 64, False),
+    (1, 1024, 8, 64, True),
+    (1, 2048, 8, 64, True),
+]
+
+
+def interleaved_ms(calls: dict, repeats: int) -> dict:
+    """Median ms of each blocking call, after a warm-up, the calls alternating."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+
+
+def compiled_call(fn, *args):
+    compiled = jax.jit(fn).lower(*args).compile()
+    return lambda: jax.block_until_ready(compiled(*args))
+
+
+def row(rule, shape, chosen, alternative, ms):
+    return dict(
+        rule=rule,
+        shape=shape,
+        chosen=chosen,
+        alternative=alternative,
+        chosen_ms=ms[chosen],
+        alternative_ms=ms[alternative],
+        ratio=ms[alternative] / ms[chosen],
+    )
+
+
+def kernel_gradient_rows(repeats):
+    rows = []
+    for lhs, k, c_out, where in KERNEL_GRADIENT_SHAPES:
+        rhs, pads = (k, k, lhs[-1], c_out), ((1, 1), (1, 1))
+        positions, channels = lhs[1] * lhs[2], lhs[-1] * c_out
+        timed = (
+            positions >= convolution.PRODUCT_KERNEL_GRAD_MIN_POSITIONS
+            and channels >= convolution.PRODUCT_KERNEL_GRAD_MIN_CHANNELS
+            and convolution._cores_left_idle()
+        )
+        args = (lhs, rhs, (1, 1), pads, jnp.float32)
+        chosen = convolution.kernel_gradient_path(*args) if timed else "xla"
+        candidates = convolution.kernel_gradient_candidates(*args)
+        ms = interleaved_ms({name: build() for name, build in candidates.items()}, repeats)
+        shape = f"{where}: {lhs} * {k}x{k}x{lhs[-1]}x{c_out}" + ("" if timed else " (not timed)")
+        rows.append(row("conv_kernel_gradient", shape, chosen, _other(chosen, ms), ms))
+    return rows
+
+
+def _other(chosen, ms):
+    return min((name for name in ms if name != chosen), key=ms.get)
+
+
+def patches_rows(repeats):
+    rows = []
+    for lhs, k, c_out, stride, padding, where in PATCHES_SHAPES:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal(lhs).astype(np.float32)
+        w = rng.standard_normal((k, k, lhs[-1], c_out)).astype(np.float32)
+
+        def grads(conv):
+            def loss(x, w):
+                out = conv(x, w, (stride, stride), padding, dimension_numbers=NHWC)
+                return jnp.sum(out * jnp.cos(out))
+
+            return jax.grad(loss, (0, 1))
+
+        ms = interleaved_ms(
+            {
+                "patches": compiled_call(grads(convolution.conv_general_dilated), x, w),
+                "xla": compiled_call(grads(lax.conv_general_dilated), x, w),
+            },
+            repeats,
+        )
+        shape = f"{where}: {lhs} * {k}x{k}x{lhs[-1]}x{c_out}"
+        rows.append(row("conv_patches", shape, "patches", "xla", ms))
+    return rows
+
+
+def attention_rows(repeats):
+    rows = []
+    for batch, length, heads, depth, causal in ATTENTION_SHAPES:
+        rng = np.random.default_rng(0)
+        q, k, v = (
+            rng.standard_normal((batch, length, heads, depth)).astype(np.float32) for _ in range(3)
+        )
+        rule = blocked_attention.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
+        chosen = rule or "xla"
+        if rule and length < blocked_attention.CPU_TIMED_BELOW:
+            chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
+        paths = ["xla", "explicit", "blocked"]
+        if length >= blocked_attention.CPU_TIMED_BELOW:
+            paths = ["blocked"]  # the quadratic paths lost by 2x and more on every processor
+        calls = {}
+        for name in paths:
+
+            def loss(q, k, v, name=name):
+                out = attention.dot_product_attention(
+                    q, k, v, is_causal=causal, implementation=name
+                )
+                return jnp.sum(out * jnp.cos(out))
+
+            calls[name] = compiled_call(jax.grad(loss, (0, 1, 2)), q, k, v)
+        if chosen == "blocked" and length >= blocked_attention.CPU_LONG_BLOCK_FROM:
+
+            def tiles(q, k, v):
+                out = blocked_attention.blocked_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    is_causal=causal,
+                    query_block=blocked_attention.DEFAULT_QUERY_BLOCK,
+                    key_block=blocked_attention.DEFAULT_KEY_BLOCK,
+                )
+                return jnp.sum(out * jnp.cos(out))
+
+            calls["blocked 128x128 tiles"] = compiled_call(jax.grad(tiles, (0, 1, 2)), q, k, v)
+        ms = interleaved_ms(calls, repeats)
+        shape = f"{'causal' if causal else 'full'} {batch} x {length} tokens x {heads} x {depth}"
+        rows.append(row("attention", shape, chosen, _other(chosen, ms), ms))
+    return rows
+
+
+def devices_worker(count: int, repeats: int) -> dict:
+    """In a fresh process: ms per train step of the digits VQGAN (configs/vqgan_digits.py's
+    model, batch 32) and compare_torch.py's VQGAN (ch 64, 32 px, batch 16) on ``count`` CPU
+    devices, the batch split over them as train.py splits it."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from torch_vs_jax import Jax, jax_train_step, use_devices
+
+    use_devices(count)
+    from rows_vqgan import DDCONFIG
+
+    import configs.vqgan_digits
+    from attnjax.models import vqgan
+
+    digits = configs.vqgan_digits.get_config().model
+    models = {
+        "digits VQGAN autoencoder step, batch 32": (
+            dict(digits.ddconfig),
+            digits.n_embed,
+            digits.embed_dim,
+            32,
+        ),
+        "VQGAN ch64 32px autoencoder step, batch 16": (DDCONFIG, 512, 64, 16),
+    }
+    calls = {}
+    for name, (ddconfig, n_embed, embed_dim, batch) in models.items():
+        model = vqgan.create_vqgan(ddconfig, n_embed, embed_dim, quantizer={"legacy": True})
+        size, channels = ddconfig["resolution"], ddconfig["in_channels"]
+        images = np.random.default_rng(0).uniform(-1, 1, (batch, size, size, channels))
+        images = images.astype(np.float32)
+        variables = model.init(jax.random.key(0), images[:1])
+        vq_state = variables.get("vq_state", {})
+
+        def loss(params, images, model=model, vq_state=vq_state):
+            (rec, aux), _ = model.apply(
+                {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
+            )
+            return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
+
+        step, state = jax_train_step(loss, variables["params"])
+        calls[name] = Jax(step, state, images, donate=True)
+    return {"devices": jax.device_count(), "ms": interleaved_ms(calls, repeats)}
+
+
+def devices_rows(repeats, rounds: int = 2):
+    """One device per core (the default) against one device, alternating processes 1, n, n, 1."""
+    per_core = cpu_cores()
+    if per_core < 2:
+        return []
+    counts = [1, per_core, per_core, 1][: 2 * rounds]
+    times = {1: [], per_core: []}
+    for count in counts:
+        out = subprocess.run(
+            [sys.executable, __file__, "--devices-worker", str(count), "--repeats", str(repeats)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        times[count].append(json.loads(out.strip().splitlines()[-1])["ms"])
+    rows = []
+    for name in times[1][0]:
+        ms = {
+            f"{per_core} devices": float(np.median([t[name] for t in times[per_core]])),
+            "1 device": float(np.median([t[name] for t in times[1]])),
+        }
+        rows.append(row("cpu_devices", name, f"{per_core} devices", "1 device", ms))
+    return rows
+
+
+NOTE = """`python benchmarks/cpu_rules.py` (JSON: [cpu_rules.json](cpu_rules.json)). *chosen* is the
+path attnjax takes on this machine: a fixed rule, or a choice timed once per shape
+(`attnjax.ops.autotune`, made afresh for this table, the default kept unless another path is 5%
+faster); *alternative* is the fastest other path. The milliseconds are a second measurement,
+apart from the one behind a timed choice, so a choice within the noise can show a ratio a little
+below 1."""
+
+
+def table(rows, meta) -> str:
+    lines = [
+        f"Processor: {meta['processor']} ({meta['cores']} cores), jax {meta['jax']}, "
+        f"median of {meta['repeats']}, forward + backward, the candidates alternating; "
+        f"load average before / after: {meta['load_before']} / {meta.get('load_after', '-')}.",
+        "",
+        "| rule | shape | chosen | ms | alternative | ms | alternative / chosen |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rule']} | {r['shape']} | {r['chosen']} | {r['chosen_ms']:.2f} "
+            f"| {r['alternative']} | {r['alternative_ms']:.2f} | {r['ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-devices", action="store_true", help="skip the cpu_devices rows")
+    parser.add_argument("--devices-worker", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(RESULTS / "cpu_rules.json"))
+    args = parser.parse_args()
+    if args.devices_worker:
+        print(json.dumps(devices_worker(args.devices_worker, args.repeats)))
+        return
+    jax.config.update("jax_num_cpu_devices", 1)
+    meta = dict(
+        processor=processor(),
+        cores=cpu_cores(),
+        jax=jax.__version__,
+        repeats=args.repeats,
+        load_before=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+    )
+    rows = []
+    # The kernel-gradient choices are timed afresh here, not read from this user's cache.
+    with tempfile.TemporaryDirectory() as directory:
+        os.environ[autotune.ENV_CACHE] = os.path.join(directory, "cpu_rules.json")
+        autotune.set_enabled(True)
+        for section in (kernel_gradient_rows, patches_rows, attention_rows):
+            new = section(args.repeats)
+            print("\n".join(table(new, meta).splitlines()[4:]), flush=True)
+            rows += new
+    if not args.no_devices:
+        rows += devices_rows(max(3, args.repeats // 2))
+    meta["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    text = table(rows, meta)
+    print("\n" + text)
+    out = pathlib.Path(args.out)
+    out.write_text(json.dumps(dict(machine=meta, rows=rows), indent=2))
+    out.with_suffix(".md").write_text(f"# CPU rules on this machine\n\n{NOTE}\n\n{text}\n")
+    print(f"saved {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

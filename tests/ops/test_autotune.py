@@ -1,0 +1,67 @@
+"""attnjax.ops.autotune: the switch, the margin and the on-disk cache, with fake timings."""
+
+import json
+
+import pytest
+
+from attnjax.ops import autotune
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    path = tmp_path / "attnjax" / "cpu_rules.json"
+    monkeypatch.setenv(autotune.ENV_CACHE, str(path))
+    monkeypatch.setattr(autotune, "_enabled", True)
+    monkeypatch.setattr(autotune, "_choices", {})
+    return path
+
+
+def _timed(seconds, calls):
+    def time_candidates(candidates):
+        calls.append(sorted(candidates))
+        return dict(seconds)
+
+    return time_candidates
+
+
+CANDIDATES = {"a": lambda: lambda: None, "b": lambda: lambda: None}
+
+
+def test_the_fastest_is_chosen_once_and_kept_on_disk(cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(autotune, "time_candidates", _timed({"a": 2.0, "b": 1.0}, calls))
+    assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
+    assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
+    assert calls == [["a", "b"]]
+    ((name, entry),) = json.loads(cache.read_text()).items()
+    assert name == autotune.cache_key("rule", "shape 1")
+    assert autotune.processor() in name and entry["choice"] == "b"
+
+    autotune.forget()  # a new process: read from disk, not timed again
+    assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
+    assert len(calls) == 1
+    assert autotune.choose("rule", "shape 2", CANDIDATES, default="a") == "b"
+    assert len(calls) == 2 and len(json.loads(cache.read_text())) == 2
+
+
+def test_the_default_stays_unless_beaten_by_the_margin(cache, monkeypatch):
+    close = {"a": 1.0, "b": 1.0 - autotune.MARGIN / 2}
+    monkeypatch.setattr(autotune, "time_candidates", _timed(close, []))
+    assert autotune.choose("rule", "close", CANDIDATES, default="a") == "a"
+
+
+def test_switched_off_the_default_is_chosen_untimed(cache, monkeypatch):
+    monkeypatch.setattr(autotune, "time_candidates", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(autotune, "_enabled", None)
+    monkeypatch.setenv(autotune.ENV_SWITCH, "0")
+    assert not autotune.enabled()
+    assert autotune.choose("rule", "shape", CANDIDATES, default="b") == "b"
+    autotune.set_enabled(False)
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    assert autotune.choose("rule", "shape", CANDIDATES, default="a") == "a"
+    assert not cache.exists()
+
+
+def test_real_timings_are_per_candidate():
+    seconds = autotune.time_candidates({"noop": lambda: lambda: None}, repeats=3)
+    assert list(seconds) == ["noop"] and seconds["noop"] >= 0.0
