@@ -25,7 +25,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -69,14 +68,7 @@ ATTENTION_SHAPES = [
 
 def interleaved_ms(calls: dict, repeats: int) -> dict:
     """Median ms of each blocking call, after a warm-up, the calls alternating."""
-    for call in calls.values():
-        call()
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+    times = autotune.alternating_times(calls, repeats)
     return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
 
 

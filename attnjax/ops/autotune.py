@@ -91,15 +91,22 @@ def time_candidates(
     alike, and the minimum is the call it disturbed least."""
     with jax.ensure_compile_time_eval():
         calls = {name: build() for name, build in candidates.items()}
-        for call in calls.values():
-            call()
-        times = {name: [] for name in calls}
-        for _ in range(repeats):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
+        times = alternating_times(calls, repeats)
     return {name: min(t) for name, t in times.items()}
+
+
+def alternating_times(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list]:
+    """Seconds of ``repeats`` calls of each blocking call, after one warm-up call each, the
+    calls alternating (A B A B ...)."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def choose(
