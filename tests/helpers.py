@@ -13,7 +13,7 @@ import configs
 from attnjax import data
 from attnjax.models import vit
 from attnjax.tasks import classification, train_and_evaluate
-from attnjax.train import parallel, sharding
+from attnjax.train import launch, parallel, sharding
 
 
 def assert_close(actual, expected, rtol=1e-5, atol=1e-6, what="value"):
@@ -308,14 +308,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def xla_flags(devices=None):
     """``$XLA_FLAGS`` (the suite's compile flags, see conftest) for a subprocess, with its CPU
     device count set to ``devices`` (None: no count, the process chooses)."""
-    flags = [
-        flag
-        for flag in os.environ.get("XLA_FLAGS", "").split()
-        if not flag.startswith("--xla_force_host_platform_device_count")
-    ]
-    if devices is not None:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    return " ".join(flags)
+    return launch.with_cpu_device_count(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def load_config(name):

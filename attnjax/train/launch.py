@@ -43,15 +43,19 @@ def process_env(base: dict, *, index: int, count: int, port: int, devices_per_pr
         PYTHONUNBUFFERED="1",
     )
     if devices_per_process:
-        flags = [
-            f
-            for f in env.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")
-        ]
-        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-        env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = with_cpu_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
         env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+def with_cpu_device_count(xla_flags: str, devices: int | None) -> str:
+    """``xla_flags`` with its CPU device count replaced by ``devices`` (None: removed)."""
+    flags = [
+        f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
 
 
 def _stream(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
