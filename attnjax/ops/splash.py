@@ -22,8 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
 # The kernel's tiles are multiples of the TPU's 128 lanes; 512 is the largest tried (MaxText's
 # default), smaller ones are taken when they pad a length less.
@@ -62,6 +60,14 @@ def splash_attention(
     """``[batch, L, heads, E]`` x ``[batch, S, heads, E]`` x ``[batch, S, heads, E]`` ->
     ``[batch, L, heads, E]``; ``key_valid``: ``[batch or 1, S]`` booleans (False = masked key)
     or None."""
+    # Imported here: Pallas takes half a second to import, and most programs never need it.
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
+
     batch, length, heads, _ = query.shape
     key_length = key.shape[1]
     padded_length, query_tile = tile_for(length)
