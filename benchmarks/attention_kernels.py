@@ -30,6 +30,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The CPU column is the fixed rule, the same on every machine; with the timing on, the CPU paths
+# between 64 and 1023 tokens would be whichever this machine ran fastest.
+os.environ.setdefault("ATTNJAX_CPU_AUTOTUNE", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

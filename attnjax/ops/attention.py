@@ -30,13 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.ops import autotune, kernel_choice, splash
+from attnjax.ops import autotune, explicit_attention, kernel_choice, splash
 from attnjax.ops.blocked_attention import blocked_dot_product_attention
 from attnjax.ops.masks import (
     as_4d,
     causal_mask,
     check_mask_shape,
-    large_negative,
     mask_kind,
     pad_axis,
     split_mask,
@@ -57,44 +56,6 @@ def check_ranks(where: str, expected: str, rank_ok: Callable[[int], bool], **arr
     for name, array in arrays.items():
         if not rank_ok(jnp.ndim(array)):
             raise ValueError(f"{where}: {name} must {expected}, got shape {jnp.shape(array)}")
-
-
-def _explicit_attention(
-    query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng, need_weights=True
-):
-    """Einsum + softmax attention on ``[batch, length, heads, dim]`` -> (out, weights or None).
-
-    Heads lead the products; without weights to return, the scale goes into the query and the
-    softmax is normalised after the product with the values ([L, Ev] divisions, not [L, S]),
-    which is faster on XLA:CPU (benchmarks/results/attention_cpu.md)."""
-    logits_dtype = jnp.promote_types(query.dtype, jnp.float32)
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
-    if not need_weights:
-        q = q * jnp.asarray(scale, q.dtype)
-    logits = jnp.einsum("bhld,bhsd->bhls", q, k, preferred_element_type=logits_dtype)
-    if need_weights:
-        logits = logits * jnp.asarray(scale, logits_dtype)
-    if bias is not None:
-        logits = logits + bias.astype(logits_dtype)
-    if keep is not None:
-        logits = jnp.where(keep, logits, large_negative(logits_dtype))
-    if not need_weights:
-        unnormalised = jnp.exp(
-            logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-        )
-        out = jnp.einsum("bhls,bhsd->bhld", unnormalised.astype(value.dtype), v)
-        out = out / jnp.sum(unnormalised, axis=-1, keepdims=True).astype(value.dtype)
-        if row_valid is not None:
-            out = jnp.where(row_valid, out, 0.0)
-        return jnp.swapaxes(out, 1, 2), None
-    weights = jax.nn.softmax(logits, axis=-1)
-    if row_valid is not None:
-        weights = jnp.where(row_valid, weights, 0.0)
-    weights = weights.astype(value.dtype)
-    if dropout_rate > 0.0:
-        kept = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(kept, weights / (1.0 - dropout_rate), 0.0).astype(value.dtype)
-    return jnp.swapaxes(jnp.einsum("bhls,bhsd->bhld", weights, v), 1, 2), weights
 
 
 def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation, fallback):
@@ -214,7 +175,7 @@ def dot_product_attention(
     mask = None if mask is None else jnp.asarray(mask)
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
     if return_weights or dropout_rate > 0.0:
-        out, weights = _attend_explicit(
+        out, weights = explicit_attention.with_weights(
             query, key, value, mask, is_causal, scale, dropout_rate, dropout_rng
         )
         return (out, weights) if return_weights else out
@@ -328,7 +289,7 @@ def _attend(implementation, setting, query, key, value, mask, *, is_causal, scal
     if explicit:
         # [batch?, heads?, L, 1]
         row_valid = None if keep is None else jnp.any(keep, axis=-1, keepdims=True)
-        return _explicit_attention(
+        return explicit_attention.explicit_attention(
             query, key, value, keep, bias, row_valid, scale, 0.0, None, False
         )[0]
     fallback = setting if implementation == "cudnn" else None
@@ -354,19 +315,6 @@ def _zero_rows_without_keys(out, keep):
     # [batch?, heads?, L, 1] -> [batch?, L, heads?, 1], to match the output layout.
     row_valid = jnp.any(keep, axis=-1, keepdims=True)
     return jnp.where(jnp.swapaxes(row_valid, 1, 2), out, 0.0)
-
-
-def _attend_explicit(query, key, value, mask, is_causal, scale, dropout_rate, dropout_rng):
-    """The explicit path with its weights (and dropout): (out, weights)."""
-    keep, bias = split_mask(mask, "dot_product_attention")
-    if is_causal:
-        causal = causal_mask(query.shape[1], key.shape[1])
-        keep = causal if keep is None else jnp.logical_and(keep, causal)
-    keep, bias = as_4d(keep), as_4d(bias)
-    row_valid = None if keep is None else jnp.any(keep, axis=-1, keepdims=True)
-    return _explicit_attention(
-        query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng, True
-    )
 
 
 def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
