@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: demo test clean
+.PHONY: demo test test-cuda clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,22 @@ demo: $(VENV)/.installed
 # loadgroup: tests marked with one xdist_group run on one worker (the multi-process runs one at a
 # time; tests sharing a module-scoped run train it once).
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not cuda" tests
+
+# Programs lowered for CUDA (cuDNN attention) need the jax CUDA plugin, 5.7 GB with its NVIDIA
+# libraries: its own environment, and only the test files that hold `cuda`-marked tests (the
+# others import torch, which this environment does not have).
+VENV_GPU   := .venv-gpu
+CUDA_TESTS := tests/ops/test_kernel_choice_cuda.py
+
+$(VENV_GPU)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip setuptools wheel
+	$(VENV_GPU)/bin/python -m pip install --quiet -e ".[cuda-lowering]"
+	touch $@
+
+test-cuda: $(VENV_GPU)/.installed
+	$(VENV_GPU)/bin/python -m pytest -m cuda $(CUDA_TESTS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VENV_GPU) runs

@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_rules.py [--repeats 7] [--no-devices]
 
-The rules (``attnjax/ops/convolution.py``, ``blocked_attention.py``, ``train/parallel.py``):
+The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/parallel.py``):
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attnjax.ops import attention, autotune, blocked_attention, convolution
+from attnjax.ops import attention, autotune, blocked_attention, convolution, kernel_choice
 from attnjax.ops.platform import cpu_cores, processor
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -145,12 +145,12 @@ def attention_rows(repeats):
         q, k, v = (
             rng.standard_normal((batch, length, heads, depth)).astype(np.float32) for _ in range(3)
         )
-        rule = blocked_attention.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
-        chosen = rule or "xla"
-        if rule and length < blocked_attention.CPU_TIMED_BELOW:
+        rule = kernel_choice.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
+        chosen = rule
+        if rule != "xla" and length < kernel_choice.CPU_TIMED_BELOW:
             chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
         paths = ["xla", "explicit", "blocked"]
-        if length >= blocked_attention.CPU_TIMED_BELOW:
+        if length >= kernel_choice.CPU_TIMED_BELOW:
             paths = ["blocked"]  # the quadratic paths lost by 2x and more on every processor
         calls = {}
         for name in paths:
@@ -162,7 +162,7 @@ def attention_rows(repeats):
                 return jnp.sum(out * jnp.cos(out))
 
             calls[name] = compiled_call(jax.grad(loss, (0, 1, 2)), q, k, v)
-        if chosen == "blocked" and length >= blocked_attention.CPU_LONG_BLOCK_FROM:
+        if chosen == "blocked" and length >= kernel_choice.CPU_LONG_BLOCK_FROM:
 
             def tiles(q, k, v):
                 out = blocked_attention.blocked_dot_product_attention(

@@ -2,6 +2,8 @@
 
 import contextlib
 import fcntl
+import functools
+import importlib.util
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,6 +14,9 @@ os.environ.setdefault(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# libtpu (compile-only TPU devices) otherwise takes a lock that the other xdist worker then
+# fails on.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # Outcomes must not hang on timing: the CPU choices attnjax.ops.autotune would time on this
 # machine take their fixed defaults; tests that check a choice set it themselves.
@@ -26,10 +31,12 @@ os.environ["XLA_FLAGS"] = " ".join(
 import numpy as np
 import pytest
 
-from attnjax.convert.common import make_torchvision_importable
-
 # timm and lpips import torchvision, whose PyPI build links CUDA libraries the CPU torch lacks.
-make_torchvision_importable()
+# (The environment of `make test-cuda` has no torch.)
+if importlib.util.find_spec("torch") is not None:
+    from attnjax.convert.common import make_torchvision_importable
+
+    make_torchvision_importable()
 
 
 @contextlib.contextmanager
@@ -70,6 +77,29 @@ def trained_runs(digits_dir, tmp_path_factory):
             train_tiny_runs(digits_dir, runs)
             (path / "made").touch()
     return runs
+
+
+@pytest.fixture(scope="session")
+def tpu_devices():
+    """``tpu_devices("v5e:2x2")`` -> libtpu's compile-only devices of that topology (no TPU
+    needed: programs compile for them, they do not run)."""
+    from jax.experimental import topologies
+
+    @functools.cache
+    def devices(name: str):
+        chips = name.split(":")[1].split("x")
+        bounds = (1, 1, 1) if chips in (["1", "1"], ["1", "1", "1"]) else (2, 2, 1)
+        topology = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=name,
+            chip_config_name="default",
+            chips_per_host_bounds=bounds,
+            num_slices=1,
+            wrap=(False, False, False),
+        )
+        return topology.devices
+
+    return devices
 
 
 @pytest.fixture

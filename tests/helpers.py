@@ -389,3 +389,45 @@ def pytorch_fid_weights(state_dict):
 
     with mock.patch.object(pytorch_fid, "load_state_dict_from_url", lambda *a, **k: state_dict):
         yield
+
+
+def long_attention_programs(dtype=jnp.float32):
+    """``{name: (function, abstract args)}``: the forward and the parameter gradient of a ViT
+    (1,025 tokens), a VQGAN attention block (a 32 x 32 map: 1,024 tokens, one head of 32) and a
+    GPT prior (512 tokens, causal), each tiny but long enough for the accelerator kernels;
+    parameters and activations in ``dtype``. Abstract: for lowering, not running."""
+    from attnjax.models.gpt import GPT
+    from attnjax.models.vqgan import AttnBlock
+
+    models = {
+        "vit": (
+            vit.ViT(num_classes=4, patch_size=1, width=32, depth=1, num_heads=2, image_size=32),
+            jax.ShapeDtypeStruct((2, 32, 32, 3), dtype),
+        ),
+        "vqgan_attention": (AttnBlock(), jax.ShapeDtypeStruct((2, 32, 32, 32), dtype)),
+        "prior": (
+            GPT(vocab_size=16, block_size=512, n_layer=1, n_head=2, n_embd=32),
+            jax.ShapeDtypeStruct((2, 512), jnp.int32),
+        ),
+    }
+    programs = {}
+    for name, (model, x) in models.items():
+        params = jax.eval_shape(model.init, jax.random.key(0), x)
+        params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params)
+
+        def loss(params, x, model=model):
+            return jnp.sum(model.apply(params, x).astype(jnp.float32))
+
+        programs[f"{name} forward"] = (functools.partial(_apply, model), (params, x))
+        programs[f"{name} backward"] = (jax.grad(loss), (params, x))
+    return programs
+
+
+def _apply(model, params, x):
+    return model.apply(params, x)
+
+
+def lowered_text(function, args, platform):
+    """The StableHLO of ``function`` lowered for ``platform`` alone, traced on this host."""
+    traced = jax.jit(function).trace(*args)
+    return traced.lower(lowering_platforms=(platform,)).as_text()

@@ -15,9 +15,16 @@ code, no checkpoint, no config. What it holds depends on the run's ``config.task
   guidance) and the VQGAN's decoding; ``n`` is fixed at export (``--number``), as the key/value
   cache is allocated for it.
 
-``batch`` is symbolic: one program serves every batch size. The container is an ``.npz``: one
-``uint8`` array per function (its serialized bytes) and ``manifest`` (JSON: task, functions,
-their input and output shapes, the run's data normalisation, the step exported).
+``batch`` is symbolic: one program serves every batch size. ``--platforms cpu,cuda,tpu``
+(default: this machine's) writes one program per function and platform, each lowered for its
+platform alone, so each carries its platform's attention kernel (``attnjax.ops.kernel_choice``:
+Pallas splash on TPU, cuDNN on CUDA, which needs the jax CUDA plugin installed where the file is
+written). One program for all three cannot hold those kernels: JAX lowers every branch of a
+``platform_dependent`` for every platform of a multi-platform export, and the Pallas TPU and
+cuDNN calls have no CPU lowering. The container is an ``.npz``: one ``uint8`` array per function
+and platform (its serialized bytes) and ``manifest`` (JSON: task, functions, their input and
+output shapes, platforms, the run's data normalisation, the step exported). ``load`` picks the
+programs for the platform it runs on.
 
     from attnjax.inference import export
     exported = export.load("vit.jaxexport")
@@ -33,11 +40,14 @@ import argparse
 import io
 import json
 import os
+import re
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 class LoadedExport(dict):
@@ -59,11 +69,42 @@ def load(path: str) -> LoadedExport:
                 "python -m attnjax.inference.export"
             )
         manifest = json.loads(bytes(contents["manifest"]).decode())
+        platform = this_platform()
+        platforms = manifest.get("platforms")
+        if platforms is not None and platform not in platforms:
+            raise ValueError(
+                f"export.load: {path!r} holds programs for {platforms}; this machine runs "
+                f"{platform!r} (export again with --platforms {platform})"
+            )
+        suffix = "" if platforms is None else f"@{platform}"
         functions = {
-            name: jax.export.deserialize(bytearray(contents[f"function/{name}"].tobytes())).call
+            name: jax.export.deserialize(
+                bytearray(contents[f"function/{name}{suffix}"].tobytes())
+            ).call
             for name in manifest["functions"]
         }
     return LoadedExport(functions, manifest)
+
+
+def this_platform() -> str:
+    """The platform ``jax.export`` names this machine's default backend: cpu, cuda, rocm, tpu."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
+    return backend
+
+
+def export_for(function, specs, platform: str) -> jax.export.Exported:
+    """``function`` exported for one platform. cuDNN's custom calls carry no stability promise
+    across jaxlib versions (``jax.export`` refuses them by default): they are allowed by name,
+    so the file runs with the jaxlib that wrote it."""
+    jitted = jax.jit(function)
+    checks = []
+    if platform == "cuda":
+        text = jitted.trace(*specs).lower(lowering_platforms=(platform,)).as_text()
+        targets = sorted(set(re.findall(r"custom_call @(__cudnn\$\w+)", text)))
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    return jax.export.export(jitted, platforms=(platform,), disabled_checks=checks)(*specs)
 
 
 def _spec(shape, dtype):
@@ -145,12 +186,19 @@ def _prior(config, workdir, step, number):
 
 
 def export_workdir(
-    workdir: str, out: str, *, step: int | None = None, number: int = 10, force: bool = False
+    workdir: str,
+    out: str,
+    *,
+    step: int | None = None,
+    number: int = 10,
+    force: bool = False,
+    platforms: tuple[str, ...] | None = None,
 ) -> dict:
     """Writes the inference functions of the run in ``workdir`` to ``out``; returns the manifest.
 
     ``step``: the checkpoint (default: the latest). ``number``: samples per call of a prior's
-    ``sample``. An existing ``out`` is kept unless ``force``.
+    ``sample``. ``platforms``: of ``PLATFORMS`` (default: this machine's). An existing ``out``
+    is kept unless ``force``.
     """
     from attnjax.train import checkpoint
 
@@ -158,6 +206,10 @@ def export_workdir(
         raise ValueError(f"export: {out!r} exists; pass --force to overwrite it")
     if number < 1:
         raise ValueError(f"export: --number must be >= 1, got {number}")
+    platforms = (this_platform(),) if platforms is None else tuple(platforms)
+    unknown = [p for p in platforms if p not in PLATFORMS]
+    if unknown or not platforms:
+        raise ValueError(f"export: --platforms {list(platforms)}: expected some of {PLATFORMS}")
     if checkpoint.latest_step(workdir) is None:
         raise ValueError(f"export: --workdir {workdir!r} holds no checkpoint (train it first)")
     config = checkpoint.read_config(workdir)
@@ -175,8 +227,10 @@ def export_workdir(
     functions = builders[config.task]()
     serialized, described = {}, {}
     for name, (function, specs) in functions.items():
-        exported = jax.export.export(jax.jit(function))(*specs)
-        serialized[f"function/{name}"] = np.frombuffer(bytes(exported.serialize()), np.uint8)
+        for platform in platforms:
+            exported = export_for(function, specs, platform)
+            program = np.frombuffer(bytes(exported.serialize()), np.uint8)
+            serialized[f"function/{name}@{platform}"] = program
         described[name] = {
             "inputs": [[str(d) for d in s.shape] + [str(s.dtype)] for s in specs],
             "outputs": [[str(d) for d in s.shape] + [str(s.dtype)] for s in exported.out_avals],
@@ -187,6 +241,7 @@ def export_workdir(
         "workdir": os.path.abspath(workdir),
         "step": int(step),
         "functions": described,
+        "platforms": list(platforms),
         "mean": list(data_config.get("mean", ()) or ()),
         "std": list(data_config.get("std", ()) or ()),
     }
@@ -210,10 +265,21 @@ def main(argv=None):
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--number", type=int, default=10, help="samples per call (prior runs)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument(
+        "--platforms",
+        default=None,
+        help=f"comma-separated, of {','.join(PLATFORMS)} (default: this machine's)",
+    )
     args = parser.parse_args(argv)
+    platforms = None if args.platforms is None else tuple(args.platforms.split(","))
     try:
         manifest = export_workdir(
-            args.workdir, args.out, step=args.step, number=args.number, force=args.force
+            args.workdir,
+            args.out,
+            step=args.step,
+            number=args.number,
+            force=args.force,
+            platforms=platforms,
         )
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"error: {error}")

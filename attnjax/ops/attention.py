@@ -12,14 +12,17 @@ mask is added to the scores (``-inf`` entries mask a key out). ``is_causal`` is 
 aligned ``tril(ones(L, S))``. A query row whose keys are all masked returns zeros, never NaN
 (PyTorch's ``nn.MultiheadAttention`` returns NaN there).
 
-Which kernel runs is ``dot_product_attention``'s ``implementation``, by default picked by
-``blocked_attention.choose_implementation``: the fused ``jax.nn.dot_product_attention``, an
-explicit einsum + softmax (always when weights or dropout are requested) or the linear-memory
-blocked path.
+Which kernel runs is ``dot_product_attention``'s ``implementation``, by default picked per
+platform by ``attnjax.ops.kernel_choice`` and staged with ``jax.lax.platform_dependent``, so
+the choice is made for the platform the program is compiled for, not the host that traces it:
+XLA's fused ``jax.nn.dot_product_attention``, cuDNN flash attention (CUDA), Pallas splash
+attention (TPU, ``attnjax.ops.splash``), an explicit einsum + softmax (always when weights or
+dropout are requested) or the linear-memory blocked path.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -27,17 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.ops import autotune
-from attnjax.ops.blocked_attention import (
-    CPU_TIMED_BELOW,
-    blocked_dot_product_attention,
-    choose_implementation,
-    cudnn_eligible,
+from attnjax.ops import autotune, explicit_attention, kernel_choice, splash
+from attnjax.ops.blocked_attention import blocked_dot_product_attention
+from attnjax.ops.masks import (
+    as_4d,
+    causal_mask,
+    check_mask_shape,
+    mask_kind,
+    pad_axis,
+    split_mask,
 )
-from attnjax.ops.masks import as_4d, causal_mask, check_mask_shape, large_negative, split_mask
 
 Array = jax.Array
-_IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit", "blocked")
+_IMPLEMENTATIONS = (None, "xla", "cudnn", "explicit", "blocked", "splash")
 
 
 def _check_dropout(dropout_rate, dropout_rng):
@@ -53,62 +58,16 @@ def check_ranks(where: str, expected: str, rank_ok: Callable[[int], bool], **arr
             raise ValueError(f"{where}: {name} must {expected}, got shape {jnp.shape(array)}")
 
 
-def _explicit_attention(
-    query, key, value, keep, bias, row_valid, scale, dropout_rate, dropout_rng, need_weights=True
-):
-    """Einsum + softmax attention on ``[batch, length, heads, dim]`` -> (out, weights or None).
-
-    Heads lead the products; without weights to return, the scale goes into the query and the
-    softmax is normalised after the product with the values ([L, Ev] divisions, not [L, S]),
-    which is faster on XLA:CPU (benchmarks/results/attention_cpu.md)."""
-    logits_dtype = jnp.promote_types(query.dtype, jnp.float32)
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))
-    if not need_weights:
-        q = q * jnp.asarray(scale, q.dtype)
-    logits = jnp.einsum("bhld,bhsd->bhls", q, k, preferred_element_type=logits_dtype)
-    if need_weights:
-        logits = logits * jnp.asarray(scale, logits_dtype)
-    if bias is not None:
-        logits = logits + bias.astype(logits_dtype)
-    if keep is not None:
-        logits = jnp.where(keep, logits, large_negative(logits_dtype))
-    if not need_weights:
-        unnormalised = jnp.exp(
-            logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-        )
-        out = jnp.einsum("bhls,bhsd->bhld", unnormalised.astype(value.dtype), v)
-        out = out / jnp.sum(unnormalised, axis=-1, keepdims=True).astype(value.dtype)
-        if row_valid is not None:
-            out = jnp.where(row_valid, out, 0.0)
-        return jnp.swapaxes(out, 1, 2), None
-    weights = jax.nn.softmax(logits, axis=-1)
-    if row_valid is not None:
-        weights = jnp.where(row_valid, weights, 0.0)
-    weights = weights.astype(value.dtype)
-    if dropout_rate > 0.0:
-        kept = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(kept, weights / (1.0 - dropout_rate), 0.0).astype(value.dtype)
-    return jnp.swapaxes(jnp.einsum("bhls,bhsd->bhld", weights, v), 1, 2), weights
-
-
-def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation):
-    if implementation is None:
-        if cudnn_eligible(jax.default_backend(), query.dtype, query.shape[-1]):
-            try:
-                cudnn_bias = None if bias is None else bias.astype(query.dtype)
-                return jax.nn.dot_product_attention(
-                    query,
-                    key,
-                    value,
-                    cudnn_bias,
-                    keep,
-                    scale=scale,
-                    is_causal=is_causal,
-                    implementation="cudnn",
-                )
-            except (NotImplementedError, ValueError, RuntimeError):
-                pass  # cuDNN rejects some shapes and layouts at trace time; XLA takes any.
-        implementation = "xla"
+def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementation, fallback):
+    if implementation == "cudnn":
+        try:
+            return _cudnn_attention(query, key, value, keep, bias, scale, is_causal)
+        except (NotImplementedError, ValueError, RuntimeError):
+            if fallback is None:
+                raise
+            # cuDNN rejects some shapes and masks at trace time, and cannot be lowered without
+            # the jax CUDA plugin on the host: the CUDA program then carries the fallback.
+            return None
     return jax.nn.dot_product_attention(
         query,
         key,
@@ -119,6 +78,37 @@ def _fused_attention(query, key, value, keep, bias, scale, is_causal, implementa
         is_causal=is_causal,
         implementation=implementation,
     )
+
+
+def _cudnn_attention(query, key, value, keep, bias, scale, is_causal):
+    """cuDNN flash attention. Its gradient takes even lengths only (jax's check, at
+    differentiation time): odd lengths are padded by one and the padding declared as sequence
+    lengths, which cuDNN masks itself."""
+    batch, length, _, _ = query.shape
+    key_length = key.shape[1]
+    lengths = {}
+    if length % 2 or key_length % 2:
+        even_length, even_keys = length + length % 2, key_length + key_length % 2
+        query = pad_axis(query, 1, even_length)
+        key, value = pad_axis(key, 1, even_keys), pad_axis(value, 1, even_keys)
+        keep = pad_axis(pad_axis(keep, 2, even_length, True), 3, even_keys, False)
+        bias = pad_axis(pad_axis(bias, 2, even_length), 3, even_keys)
+        lengths = {
+            "query_seq_lengths": jnp.full((batch,), length, jnp.int32),
+            "key_value_seq_lengths": jnp.full((batch,), key_length, jnp.int32),
+        }
+    out = jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        None if bias is None else bias.astype(query.dtype),
+        keep,
+        scale=scale,
+        is_causal=is_causal,
+        implementation="cudnn",
+        **lengths,
+    )
+    return out[:, :length]
 
 
 def dot_product_attention(
@@ -146,9 +136,11 @@ def dot_product_attention(
       scale: score scale, default ``1 / sqrt(E)``.
       dropout_rate, dropout_rng: dropout on the attention weights (explicit path).
       return_weights: also return the weights ``[batch, heads, L, S]`` (after dropout, as PyTorch).
-      implementation: None (``blocked_attention.choose_implementation`` picks by backend, dtype
-        and shape), "xla", "cudnn", "explicit" (einsum + softmax) or "blocked" (linear memory).
-        Weights and dropout always use "explicit"; ``Ev != E`` uses "explicit" or "blocked".
+      implementation: None (``attnjax.ops.kernel_choice`` picks per platform, dtype, shape and
+        mask, resolved for the platform the program is compiled for), "xla", "cudnn",
+        "explicit" (einsum + softmax), "blocked" (linear memory) or "splash" (Pallas TPU
+        kernel; interpreted on CPU). Weights and dropout always use "explicit"; ``Ev != E``
+        uses "explicit" or "blocked".
 
     Returns:
       ``[batch, L, heads, Ev]``, or ``(out, weights)``. Rows whose keys are all masked are zeros.
@@ -180,62 +172,157 @@ def dot_product_attention(
     _check_dropout(dropout_rate, dropout_rng)
     key_length = key.shape[1]
     check_mask_shape(mask, (batch, heads, length, key_length), "dot_product_attention")
+    mask = None if mask is None else jnp.asarray(mask)
     scale = 1.0 / math.sqrt(depth) if scale is None else scale
-    needs_weights = return_weights or dropout_rate > 0.0
-    if implementation is None and not needs_weights:
-        implementation = choose_implementation(
-            jax.default_backend(), query.dtype, length, key_length, depth, value.shape[-1]
+    if return_weights or dropout_rate > 0.0:
+        out, weights = explicit_attention.with_weights(
+            query, key, value, mask, is_causal, scale, dropout_rate, dropout_rng
         )
-        if (
-            implementation in ("explicit", "blocked")
-            and jax.default_backend() == "cpu"
-            and max(length, key_length) < CPU_TIMED_BELOW
-        ):
-            implementation = timed_cpu_path(query, key, value, mask, is_causal, implementation)
-    if implementation == "blocked" and not needs_weights:
+        return (out, weights) if return_weights else out
+    if implementation == "splash" and not splash.serves(
+        batch, depth, value.shape[-1], mask_kind(mask)
+    ):
+        raise ValueError(
+            "dot_product_attention: implementation='splash' takes no mask or a key-padding "
+            f"mask ([batch, 1, 1, S] booleans), Ev == E and a batch that divides over the mesh; "
+            f"got mask shape {None if mask is None else mask.shape}, query {query.shape}, "
+            f"value {value.shape}"
+        )
+    if implementation is None:
+        choices = platform_choices(query, key, value, mask, is_causal)
+    else:
+        choices = {p: implementation for p in (*kernel_choice.PLATFORMS, kernel_choice.DEFAULT)}
+    return _on_platforms(
+        choices, query, key, value, mask, is_causal, scale, automatic=implementation is None
+    )
+
+
+def platform_choices(query, key, value, mask, is_causal: bool) -> dict:
+    """``{platform: implementation}`` for ``kernel_choice.PLATFORMS`` and ``"default"``, as
+    ``dot_product_attention`` resolves them for this call (timing the CPU paths where the
+    rule says so)."""
+    batch, length, _, depth = query.shape
+    key_length, value_dim = key.shape[1], value.shape[-1]
+    kind = mask_kind(mask)
+    choices = {
+        platform: kernel_choice.choose_implementation(
+            platform,
+            query.dtype,
+            length,
+            key_length,
+            depth,
+            value_dim,
+            mask_kind=kind,
+            splash_serves=platform == "tpu" and splash.serves(batch, depth, value_dim, kind),
+        )
+        for platform in (*kernel_choice.PLATFORMS, kernel_choice.DEFAULT)
+    }
+    if (
+        choices["cpu"] in ("explicit", "blocked")
+        and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW
+    ):
+        choices["cpu"] = timed_cpu_path(query, key, value, mask, is_causal, choices["cpu"])
+    return choices
+
+
+def _on_platforms(choices: dict, query, key, value, mask, is_causal, scale, automatic=True):
+    """Runs each platform's choice; one branch per distinct kernel, staged with
+    ``jax.lax.platform_dependent`` when they differ (resolved when the program is lowered)."""
+    branches: dict = {}
+    per_platform = {}
+    for platform, implementation in choices.items():
+        how = _how(platform, implementation, query, key, value, automatic)
+        if how not in branches:
+            branches[how] = functools.partial(_attend, *how, is_causal=is_causal, scale=scale)
+        per_platform[platform] = branches[how]
+    if len(branches) == 1:
+        return next(iter(branches.values()))(query, key, value, mask)
+    default = per_platform.pop(kernel_choice.DEFAULT)
+    return jax.lax.platform_dependent(query, key, value, mask, default=default, **per_platform)
+
+
+def _how(platform: str, implementation: str, query, key, value, automatic: bool) -> tuple:
+    """What distinguishes two branches: the kernel and its platform-specific setting (the
+    blocked path's tiles, whether splash is interpreted, what replaces a cuDNN that refuses
+    the call, where the choice was automatic)."""
+    length, key_length = query.shape[1], key.shape[1]
+    if implementation == "blocked":
+        return ("blocked", kernel_choice.blocked_tiles(platform, length, key_length))
+    if implementation == "splash":
+        return ("splash", platform == "cpu")
+    if implementation == "cudnn" and automatic:
+        dims = (query.shape[-1], value.shape[-1])
+        return ("cudnn", kernel_choice.cudnn_fallback(length, key_length, *dims))
+    return (implementation, None)
+
+
+def _attend(implementation, setting, query, key, value, mask, *, is_causal, scale):
+    """One kernel on ``[batch, length, heads, dim]`` arrays, rows with no allowed key zeroed."""
+    length, key_length, depth = query.shape[1], key.shape[1], query.shape[-1]
+    if implementation == "blocked":
+        query_block, key_block = setting
         return blocked_dot_product_attention(
-            query, key, value, mask, is_causal=is_causal, scale=scale
-        )
-
-    explicit = needs_weights or value.shape[-1] != depth or implementation == "explicit"
-    keep, bias = split_mask(mask, "dot_product_attention")
-    # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked blocks);
-    # anything else is folded into the boolean mask.
-    kernel_causal = is_causal and keep is None and length == key_length and not explicit
-    if is_causal and not kernel_causal:
-        causal = causal_mask(length, key_length)
-        keep = causal if keep is None else jnp.logical_and(keep, causal)
-    keep, bias = as_4d(keep), as_4d(bias)
-    # [batch?, heads?, L, 1]
-    row_valid = None if keep is None else jnp.any(keep, axis=-1, keepdims=True)
-
-    if explicit:
-        out, weights = _explicit_attention(
             query,
             key,
             value,
-            keep,
-            bias,
-            row_valid,
-            scale,
-            dropout_rate,
-            dropout_rng,
-            needs_weights,
+            mask,
+            is_causal=is_causal,
+            scale=scale,
+            query_block=query_block,
+            key_block=key_block,
         )
-        return (out, weights) if return_weights else out
-    out = _fused_attention(query, key, value, keep, bias, scale, kernel_causal, implementation)
-    if row_valid is not None:
-        # [batch?, heads?, L, 1] -> [batch?, L, heads?, 1], to match the output layout.
-        out = jnp.where(jnp.swapaxes(row_valid, 1, 2), out, 0.0)
-    return out
+    keep, bias = split_mask(mask, "dot_product_attention")
+    keep, bias = as_4d(keep), as_4d(bias)
+    if implementation == "splash":
+        key_valid = None if keep is None else keep[:, 0, 0, :]
+        out = splash.splash_attention(
+            query, key, value, key_valid, is_causal=is_causal, scale=scale, interpret=setting
+        )
+        return _zero_rows_without_keys(out, keep)
+    explicit = value.shape[-1] != depth or implementation == "explicit"
+    # A plain square causal mask goes to the kernel as a flag (cuDNN then skips the masked
+    # blocks); anything else is folded into the boolean mask.
+    kernel_causal = is_causal and keep is None and length == key_length and not explicit
+    if is_causal and not kernel_causal:
+        causal = as_4d(causal_mask(length, key_length))
+        keep = causal if keep is None else jnp.logical_and(keep, causal)
+    if explicit:
+        # [batch?, heads?, L, 1]
+        row_valid = None if keep is None else jnp.any(keep, axis=-1, keepdims=True)
+        return explicit_attention.explicit_attention(
+            query, key, value, keep, bias, row_valid, scale, 0.0, None, False
+        )[0]
+    fallback = setting if implementation == "cudnn" else None
+    out = _fused_attention(
+        query, key, value, keep, bias, scale, kernel_causal, implementation, fallback
+    )
+    if out is None:
+        return _attend(
+            *_how("cuda", fallback, query, key, value, True),
+            query,
+            key,
+            value,
+            mask,
+            is_causal=is_causal,
+            scale=scale,
+        )
+    return _zero_rows_without_keys(out, keep)
+
+
+def _zero_rows_without_keys(out, keep):
+    if keep is None:
+        return out
+    # [batch?, heads?, L, 1] -> [batch?, L, heads?, 1], to match the output layout.
+    row_valid = jnp.any(keep, axis=-1, keepdims=True)
+    return jnp.where(jnp.swapaxes(row_valid, 1, 2), out, 0.0)
 
 
 def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
     """``"xla"`` (where ``E == Ev``), ``"explicit"`` or ``"blocked"``, whichever runs this call's
     forward and backward fastest on this processor, timed once per shape
     (``attnjax.ops.autotune``); ``default`` with the timing off. Which wins below
-    ``CPU_TIMED_BELOW`` tokens depends on the processor's caches, the batch and the mask
-    (benchmarks/results/cpu_rules.md)."""
+    ``kernel_choice.CPU_TIMED_BELOW`` tokens depends on the processor's caches, the batch and
+    the mask (benchmarks/results/cpu_rules.md)."""
     shapes = [(x.shape, x.dtype) for x in (query, key, value)]
     mask_shape = None if mask is None else jnp.shape(mask)
     mask_dtype = None if mask is None else jnp.result_type(mask)

@@ -13,8 +13,7 @@ storing the ``[L, S]`` matrix. Under ``is_causal`` the key blocks that lie entir
 diagonal are never visited. Lengths that do not divide the block sizes are padded and the padded
 keys masked.
 
-``choose_implementation`` is the dispatch rule that ``attention.dot_product_attention`` applies
-when no ``implementation`` is given.
+Which path runs when no ``implementation`` is given is ``attnjax.ops.kernel_choice``'s rule.
 """
 
 from __future__ import annotations
@@ -26,68 +25,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attnjax.ops.masks import as_4d, check_mask_shape, split_mask
+from attnjax.ops.masks import as_4d, check_mask_shape, pad_axis, split_mask
 
 Array = jax.Array
 
-# The thresholds and tile sizes are crossovers measured on more than one CPU
-# (benchmarks/cpu_rules.py; results in benchmarks/results/cpu_rules.md and attention_cpu.md):
-# - from 64 tokens on CPU, the explicit path (heads first, normalised after the value product)
-#   beats XLA's fused attention, by up to 3x in a forward pass; a causal backward pass at 64 tokens
-#   can be a little slower;
-# - from 512 tokens on CPU the [heads, L, S] scores stop fitting in some processors' caches and
-#   blocking wins there by several times; on others the explicit path stays faster up to about
-#   1024 tokens at a batch of one. So between EXPLICIT_MIN_LENGTH_CPU and CPU_TIMED_BELOW tokens
-#   attention.dot_product_attention times the fused, explicit and blocked paths once per shape on
-#   the machine (attnjax.ops.autotune), this rule being the default; from 1024 tokens blocking
-#   won on every processor measured;
-# - on accelerators the plain path stays fast longer, but its memory is quadratic, so 4096 tokens
-#   (512 MiB of scores per batch of 8 float32 heads) is where blocking starts there;
-# - from 1024 tokens on CPU, query tiles of 512 over key tiles of 256: a taller tile reuses each
-#   key/value tile over more query rows.
-EXPLICIT_MIN_LENGTH_CPU = 64
-BLOCKED_MIN_LENGTH = {"cpu": 512}
-BLOCKED_MIN_LENGTH_ACCELERATOR = 4096
+# Tile sizes when none are given; attention.dot_product_attention passes its platform's
+# (attnjax.ops.kernel_choice.blocked_tiles).
 DEFAULT_QUERY_BLOCK = 128
 DEFAULT_KEY_BLOCK = 128
-CPU_LONG_QUERY_BLOCK = 512
-CPU_LONG_KEY_BLOCK = 256
-CPU_LONG_BLOCK_FROM = 1024
-CPU_TIMED_BELOW = 1024
-
-
-def cudnn_eligible(backend: str, dtype, head_dim: int) -> bool:
-    """Whether cuDNN flash attention may take the call: GPU, float16/bfloat16, ``head_dim`` a
-    multiple of 8 up to 128."""
-    return (
-        backend == "gpu"
-        and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
-        and head_dim % 8 == 0
-        and head_dim <= 128
-    )
-
-
-def choose_implementation(
-    backend: str, dtype, query_length: int, key_length: int, head_dim: int, value_dim: int
-) -> str | None:
-    """The fastest correct attention path for a backend, dtype and shape.
-
-    * ``head_dim == value_dim`` and ``cudnn_eligible``: ``None``, the fused
-      ``jax.nn.dot_product_attention`` path, which tries cuDNN flash attention first (linear
-      memory at any length).
-    * ``max(query_length, key_length)`` at or above the backend's threshold
-      (``BLOCKED_MIN_LENGTH``): ``"blocked"``, linear memory.
-    * CPU from ``EXPLICIT_MIN_LENGTH_CPU`` tokens: ``"explicit"`` (einsum + softmax).
-    * otherwise ``None``: XLA's fused attention, or einsum + softmax when ``head_dim != value_dim``.
-    """
-    if head_dim == value_dim and cudnn_eligible(backend, dtype, head_dim):
-        return None
-    length = max(query_length, key_length)
-    if length >= BLOCKED_MIN_LENGTH.get(backend, BLOCKED_MIN_LENGTH_ACCELERATOR):
-        return "blocked"
-    if backend == "cpu" and length >= EXPLICIT_MIN_LENGTH_CPU:
-        return "explicit"
-    return None
 
 
 class _Blocks(NamedTuple):
@@ -341,14 +286,6 @@ def _blocked_fwd(query, key, value, keep, bias, block: _Blocks):
 _blocked.defvjp(_blocked_fwd, _backward)
 
 
-def _pad_axis(x, axis: int, size: int, value=0):
-    if x is None or x.shape[axis] in (1, size):
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def blocked_dot_product_attention(
     query,
     key,
@@ -371,8 +308,7 @@ def blocked_dot_product_attention(
       is_causal: top-left aligned causal mask; key blocks above the diagonal are skipped.
       scale: score scale, default ``1 / sqrt(E)``.
       query_block, key_block: tile sizes (clipped to the lengths); None: ``DEFAULT_QUERY_BLOCK``,
-        ``DEFAULT_KEY_BLOCK``, or ``CPU_LONG_QUERY_BLOCK`` / ``CPU_LONG_KEY_BLOCK`` on CPU from
-        ``CPU_LONG_BLOCK_FROM`` tokens.
+        ``DEFAULT_KEY_BLOCK``.
 
     Returns:
       ``[batch, L, heads, Ev]``; rows whose keys are all masked are zeros.
@@ -390,13 +326,8 @@ def blocked_dot_product_attention(
             f"key {key.shape}, value {value.shape} (expected [b, L, h, E], [b, S, h, E], "
             "[b, S, h, Ev])"
         )
-    long_on_cpu = (
-        jax.default_backend() == "cpu" and max(query.shape[1], key.shape[1]) >= CPU_LONG_BLOCK_FROM
-    )
-    if query_block is None:
-        query_block = CPU_LONG_QUERY_BLOCK if long_on_cpu else DEFAULT_QUERY_BLOCK
-    if key_block is None:
-        key_block = CPU_LONG_KEY_BLOCK if long_on_cpu else DEFAULT_KEY_BLOCK
+    query_block = DEFAULT_QUERY_BLOCK if query_block is None else query_block
+    key_block = DEFAULT_KEY_BLOCK if key_block is None else key_block
     if query_block < 1 or key_block < 1:
         raise ValueError(
             f"blocked_dot_product_attention: query_block and key_block must be >= 1, "
@@ -416,10 +347,10 @@ def blocked_dot_product_attention(
     padded_keys = -(-key_length // key_block) * key_block
 
     def heads_first(x, size):
-        return _pad_axis(jnp.swapaxes(x, 1, 2), 2, size)
+        return pad_axis(jnp.swapaxes(x, 1, 2), 2, size)
 
-    keep = _pad_axis(_pad_axis(keep, 2, padded_length, True), 3, padded_keys, False)
-    bias = _pad_axis(_pad_axis(bias, 2, padded_length), 3, padded_keys)
+    keep = pad_axis(pad_axis(keep, 2, padded_length, True), 3, padded_keys, False)
+    bias = pad_axis(pad_axis(bias, 2, padded_length), 3, padded_keys)
     out = _blocked(
         heads_first(query, padded_length),
         heads_first(key, padded_keys),
@@ -431,9 +362,4 @@ def blocked_dot_product_attention(
     return jnp.swapaxes(out[:, :, :length], 1, 2)
 
 
-__all__ = (
-    "choose_implementation",
-    "cudnn_eligible",
-    "blocked_dot_product_attention",
-    "BLOCKED_MIN_LENGTH",
-)
+__all__ = ("blocked_dot_product_attention",)

@@ -102,10 +102,31 @@ def split_mask(mask, where: str):
     return keep, jnp.where(keep, mask, 0.0)
 
 
+def mask_kind(mask) -> str | None:
+    """What a mask asks of a kernel (``kernel_choice.MASK_KINDS``): None, ``"key_padding"``
+    (booleans broadcastable from ``[batch, 1, 1, S]``), ``"boolean"`` or ``"additive"``."""
+    if mask is None:
+        return None
+    if jnp.result_type(mask) != jnp.bool_:
+        return "additive"
+    shape = (1,) * (4 - jnp.ndim(mask)) + tuple(jnp.shape(mask))
+    return "key_padding" if shape[1] == 1 and shape[2] == 1 else "boolean"
+
+
 def as_4d(mask):
     """A mask part of rank <= 4 -> rank 4 ``[batch, heads, L, S]`` with leading singleton axes
     added (``None`` stays ``None``)."""
     return None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """``x`` padded with ``value`` to ``size`` along ``axis``; None, a singleton (broadcast) axis
+    and an axis already that long stay as they are."""
+    if x is None or x.shape[axis] in (1, size):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def large_negative(dtype):

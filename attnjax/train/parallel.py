@@ -296,7 +296,7 @@ class DataParallel:
                 return train_step(state, batch, rng, axis_name=AXIS)
 
             return jax.pmap(per_device, axis_name=AXIS, in_axes=(0, 0, None), donate_argnums=(0,))
-        step = functools.partial(train_step, axis_name=None)
+        step = self.traced_on_mesh(functools.partial(train_step, axis_name=None))
         state_out = self.replicated if state_shardings is None else state_shardings
         return jax.jit(step, out_shardings=(state_out, self.replicated), donate_argnums=(0,))
 
@@ -308,7 +308,19 @@ class DataParallel:
                 return jax.lax.psum(eval_step(state, batch), AXIS)
 
             return jax.pmap(per_device, axis_name=AXIS)
-        return jax.jit(eval_step, out_shardings=self.replicated)
+        return jax.jit(self.traced_on_mesh(eval_step), out_shardings=self.replicated)
+
+    def traced_on_mesh(self, fn: Callable) -> Callable:
+        """``fn`` traced with the mesh set (``jax.sharding.use_abstract_mesh``): kernels XLA
+        cannot partition (Pallas TPU attention, ``attnjax.ops.splash``) find it and run under
+        a ``shard_map`` over the batch."""
+
+        @functools.wraps(fn)
+        def on_mesh(*args, **kwargs):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+
+        return on_mesh
 
 
 class Prefetcher:

@@ -25,8 +25,11 @@ pytestmark = pytest.mark.xdist_group("trained_runs")
 
 def test_exported_classifier_equals_the_live_model(trained_runs, tmp_path, digits_dir):
     path = str(tmp_path / "vit.jaxexport")
-    manifest = export.export_workdir(trained_runs["vit"], path)
+    # One program per platform; this machine runs the CPU one (the TPU and CUDA programs' kernels
+    # are checked in tests/ops/test_kernel_choice*.py).
+    manifest = export.export_workdir(trained_runs["vit"], path, platforms=("cpu", "tpu"))
     assert manifest["task"] == "classification" and manifest["step"] == 4
+    assert manifest["platforms"] == ["cpu", "tpu"]
     test = data.load_source("digits", "test", digits_dir)
     images = np.stack([data.resize(np.asarray(test[i]["image"]), 8) for i in range(7)])
     images = (images.astype(np.float32) / 255.0 - 0.5) / 0.5
@@ -149,6 +152,12 @@ def test_command_line_refuses_to_overwrite_and_names_bad_workdirs(trained_runs, 
         export.export_workdir(str(tmp_path / "nothing"), str(tmp_path / "x.jaxexport"))
     with pytest.raises(ValueError, match="--number must be >= 1, got 0"):
         export.export_workdir(trained_runs["prior"], str(tmp_path / "p.jaxexport"), number=0)
+    with pytest.raises(ValueError, match=r"--platforms \['cpu', 'gpu'\]: expected some of"):
+        export.export_workdir(trained_runs["vit"], str(tmp_path / "v"), platforms=("cpu", "gpu"))
+    tpu_only = str(tmp_path / "tpu.jaxexport")
+    export.export_workdir(trained_runs["vit"], tpu_only, platforms=("tpu",))
+    with pytest.raises(ValueError, match=r"holds programs for \['tpu'\]; this machine runs 'cpu'"):
+        export.load(tpu_only)
     with pytest.raises(ValueError, match="holds no manifest"):
         np.savez(tmp_path / "other.npz", x=np.zeros(2))
         export.load(str(tmp_path / "other.npz"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from attnjax.ops import attention, autotune, blocked_attention
+from attnjax.ops import attention, autotune, blocked_attention, kernel_choice
 
 F = torch.nn.functional
 # Small tiles, so every case below spans several query and key blocks and ragged last blocks.
@@ -210,22 +210,6 @@ def test_memory_grows_linearly_with_length():
     assert explicit_large / explicit_small > 8, (explicit_small, explicit_large)
 
 
-def test_dispatch_rule():
-    choose = blocked_attention.choose_implementation
-    threshold = blocked_attention.BLOCKED_MIN_LENGTH["cpu"]
-    assert choose("cpu", jnp.float32, threshold, threshold, 64, 64) == "blocked"
-    assert choose("cpu", jnp.float32, 1, threshold, 64, 32) == "blocked"
-    assert choose("cpu", jnp.float32, threshold - 1, threshold - 1, 64, 64) == "explicit"
-    assert choose("gpu", jnp.bfloat16, 16384, 16384, 64, 64) is None  # cuDNN flash attention
-    assert choose("gpu", jnp.float32, 16384, 16384, 64, 64) == "blocked"
-    assert choose("gpu", jnp.float16, 256, 256, 64, 64) is None
-    assert choose("cpu", jnp.float32, 197, 197, 64, 64) == "explicit"
-    assert (
-        choose("cpu", jnp.float32, 65, 65, 64, 64) == "explicit"
-    )  # the CIFAR ViT's 64 patches + class
-    assert choose("cpu", jnp.float32, 63, 63, 64, 64) is None
-
-
 @pytest.mark.parametrize("fastest", ["xla", "blocked"])
 def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch, tmp_path):
     """Between the explicit threshold and CPU_TIMED_BELOW tokens the path is timed once per shape
@@ -240,7 +224,7 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch
         return {name: 0.5 if name == fastest else 1.0 for name in candidates}
 
     monkeypatch.setattr(autotune, "time_candidates", time_candidates)
-    length = blocked_attention.EXPLICIT_MIN_LENGTH_CPU + 3
+    length = kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, length, 2, 8)).astype(np.float32) for _ in range(3))
     mask = rng.random((length, length)) > 0.2
@@ -259,9 +243,13 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch
 
 
 def test_default_dispatch_takes_blocked_path_for_long_sequences():
-    length = max(blocked_attention.BLOCKED_MIN_LENGTH["cpu"], 2048)
+    length = max(kernel_choice.BLOCKED_MIN_LENGTH_CPU, 2048)
     default = fwd_bwd_temp_bytes(attention.dot_product_attention, length)
-    assert default == fwd_bwd_temp_bytes(blocked_attention.blocked_dot_product_attention, length)
+    tiles = kernel_choice.blocked_tiles("cpu", length, length)
+    blocked = functools.partial(
+        blocked_attention.blocked_dot_product_attention, query_block=tiles[0], key_block=tiles[1]
+    )
+    assert default == fwd_bwd_temp_bytes(blocked, length)
     assert default < 8 * length * length * 4, default  # below one [heads, L, L] score matrix
 
 

@@ -1,0 +1,115 @@
+"""Which attention kernel runs, decided per platform: the one place that asks.
+
+``attention.dot_product_attention`` calls ``choose_implementation`` for each platform a program
+may be lowered for (``PLATFORMS``) and stages the choices with ``jax.lax.platform_dependent``:
+the kernel is picked for the platform the program is compiled for, not for the host that traces
+it. A program traced on a CPU and compiled for a TPU carries the TPU's kernel.
+
+* ``"cpu"``: XLA's fused attention below ``EXPLICIT_MIN_LENGTH_CPU`` tokens, einsum + softmax
+  (``"explicit"``) up to ``BLOCKED_MIN_LENGTH_CPU``, the linear-memory ``"blocked"`` path from
+  there, with taller tiles from ``CPU_LONG_BLOCK_FROM``; between ``EXPLICIT_MIN_LENGTH_CPU``
+  and ``CPU_TIMED_BELOW`` the path is timed on the machine (``attnjax.ops.autotune``), these
+  rules being the defaults (benchmarks/results/cpu_rules.md).
+* ``"tpu"``: Pallas splash attention (``attnjax.ops.splash``) when it serves the call and both
+  lengths reach ``TPU_SPLASH_MIN_LENGTH``; below, the ``[L, S]`` scores are small and XLA's fused
+  attention keeps them in one fusion without padding the lengths to the kernel's 128-row tiles.
+* ``"cuda"``: cuDNN flash attention for float16/bfloat16 (``cudnn_eligible``), else XLA.
+* every other platform, and the two above when their kernel does not apply: XLA's fused
+  attention, blocked from ``BLOCKED_MIN_LENGTH_ACCELERATOR`` tokens (the ``[L, S]`` scores of
+  8 float32 heads are 512 MiB there), einsum + softmax when ``Ev != E``.
+
+The rules for accelerators are predictions from compiled programs (docs/accelerators.md), not
+timings: no accelerator was measured.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# Platforms that get a branch of their own; any other gets the "default" rule.
+PLATFORMS = ("cpu", "cuda", "tpu")
+DEFAULT = "default"
+
+EXPLICIT_MIN_LENGTH_CPU = 64
+BLOCKED_MIN_LENGTH_CPU = 512
+CPU_TIMED_BELOW = 1024
+BLOCKED_MIN_LENGTH_ACCELERATOR = 4096
+TPU_SPLASH_MIN_LENGTH = 512
+
+DEFAULT_QUERY_BLOCK = 128
+DEFAULT_KEY_BLOCK = 128
+# From 1024 tokens on CPU a taller query tile reuses each key/value tile over more rows.
+CPU_LONG_BLOCK_FROM = 1024
+CPU_LONG_QUERY_BLOCK = 512
+CPU_LONG_KEY_BLOCK = 256
+
+# How a mask constrains the kernel: none, a key-padding mask ([batch, 1, 1, S] booleans), any
+# other boolean mask, or a float mask added to the scores.
+MASK_KINDS = (None, "key_padding", "boolean", "additive")
+
+
+def cudnn_eligible(dtype, head_dim: int, value_dim: int | None = None) -> bool:
+    """Whether cuDNN flash attention may take the call: float16/bfloat16, ``head_dim`` a multiple
+    of 8 up to 128 (256 needs a Hopper GPU, unknown when compiling elsewhere), ``Ev == E``."""
+    return (
+        jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+        and (value_dim is None or value_dim == head_dim)
+    )
+
+
+def _fallback(query_length: int, key_length: int, head_dim: int, value_dim: int) -> str:
+    if max(query_length, key_length) >= BLOCKED_MIN_LENGTH_ACCELERATOR:
+        return "blocked"
+    return "xla" if head_dim == value_dim else "explicit"
+
+
+def choose_implementation(
+    platform: str,
+    dtype,
+    query_length: int,
+    key_length: int,
+    head_dim: int,
+    value_dim: int,
+    *,
+    mask_kind: str | None = None,
+    splash_serves: bool = False,
+) -> str:
+    """The attention path for one platform: ``"xla"`` (``jax.nn.dot_product_attention``),
+    ``"explicit"``, ``"blocked"``, ``"cudnn"`` or ``"splash"``.
+
+    Args:
+      platform: ``"cpu"``, ``"cuda"``, ``"tpu"``, or anything else for the default rule.
+      dtype, query_length, key_length, head_dim, value_dim: of the call.
+      mask_kind: one of ``MASK_KINDS``.
+      splash_serves: ``attnjax.ops.splash.serves`` for this call (shapes, mask, mesh).
+    """
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"choose_implementation: mask_kind must be one of {MASK_KINDS}")
+    length = max(query_length, key_length)
+    if platform == "cpu":
+        if length >= BLOCKED_MIN_LENGTH_CPU:
+            return "blocked"
+        if length >= EXPLICIT_MIN_LENGTH_CPU or head_dim != value_dim:
+            return "explicit"
+        return "xla"
+    if platform == "tpu":
+        if splash_serves and min(query_length, key_length) >= TPU_SPLASH_MIN_LENGTH:
+            return "splash"
+    elif platform == "cuda" and cudnn_eligible(dtype, head_dim, value_dim):
+        return "cudnn"
+    return _fallback(query_length, key_length, head_dim, value_dim)
+
+
+def cudnn_fallback(query_length: int, key_length: int, head_dim: int, value_dim: int) -> str:
+    """What a CUDA program carries where cuDNN refuses a call at trace time (some shapes and
+    masks; or no jax CUDA plugin on the host, which lowering cuDNN needs)."""
+    return _fallback(query_length, key_length, head_dim, value_dim)
+
+
+def blocked_tiles(platform: str, query_length: int, key_length: int) -> tuple[int, int]:
+    """(query_block, key_block) of the blocked path on a platform."""
+    if platform == "cpu" and max(query_length, key_length) >= CPU_LONG_BLOCK_FROM:
+        return CPU_LONG_QUERY_BLOCK, CPU_LONG_KEY_BLOCK
+    return DEFAULT_QUERY_BLOCK, DEFAULT_KEY_BLOCK

@@ -1,0 +1,108 @@
+"""attnjax/ops/kernel_choice.py: the attention kernel is chosen for the platform a program is
+lowered for, not the host that traces it: Pallas splash in TPU programs, XLA or the blocked path
+in CPU ones, from one trace."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import long_attention_programs, lowered_text
+
+from attnjax.ops import attention, kernel_choice
+
+TPU_KERNEL = "tpu_custom_call"  # how a Pallas TPU kernel appears in StableHLO
+
+
+@pytest.mark.parametrize(
+    "platform, dtype, lengths, dims, mask_kind, serves, expected",
+    [
+        ("cpu", jnp.float32, (63, 63), (64, 64), None, False, "xla"),
+        ("cpu", jnp.float32, (65, 65), (64, 64), None, False, "explicit"),
+        ("cpu", jnp.float32, (1, 512), (64, 32), None, False, "blocked"),
+        ("cpu", jnp.float32, (8, 8), (64, 32), None, False, "explicit"),
+        ("tpu", jnp.bfloat16, (197, 197), (64, 64), None, True, "xla"),
+        ("tpu", jnp.bfloat16, (1024, 1024), (64, 64), "key_padding", True, "splash"),
+        ("tpu", jnp.float32, (16384, 16384), (128, 128), None, True, "splash"),
+        ("tpu", jnp.bfloat16, (1024, 1024), (64, 64), "additive", False, "xla"),
+        ("tpu", jnp.bfloat16, (1, 4096), (64, 64), None, True, "blocked"),  # decoding a token
+        ("cuda", jnp.bfloat16, (197, 197), (64, 64), None, False, "cudnn"),
+        ("cuda", jnp.bfloat16, (1024, 1024), (256, 256), None, False, "xla"),
+        ("cuda", jnp.float32, (1024, 1024), (64, 64), None, False, "xla"),
+        ("cuda", jnp.float32, (16384, 16384), (64, 64), None, False, "blocked"),
+        ("rocm", jnp.bfloat16, (1024, 1024), (64, 64), None, True, "xla"),
+    ],
+)
+def test_rule(platform, dtype, lengths, dims, mask_kind, serves, expected):
+    chosen = kernel_choice.choose_implementation(
+        platform, dtype, *lengths, *dims, mask_kind=mask_kind, splash_serves=serves
+    )
+    assert chosen == expected
+
+
+def _attention(is_causal, mask=None):
+    def loss(q, k, v):
+        out = attention.dot_product_attention(q, k, v, mask, is_causal=is_causal)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.grad(loss, (0, 1, 2))
+
+
+# The closing table's shapes: ViT-B/16 (197 tokens, 12 heads of 64), and 1k/4k/16k causal.
+SHAPES = [(197, 12, 64, False), (1024, 8, 128, True), (4096, 8, 128, True), (16384, 8, 128, True)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("length, heads, depth, is_causal", SHAPES)
+def test_one_trace_carries_each_platforms_kernel(length, heads, depth, is_causal, dtype):
+    x = jax.ShapeDtypeStruct((1, length, heads, depth), dtype)
+    traced = jax.jit(_attention(is_causal)).trace(x, x, x)
+    tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    splash = length >= kernel_choice.TPU_SPLASH_MIN_LENGTH
+    # Forward, and the backward's dq and dk/dv kernels.
+    assert tpu.count(TPU_KERNEL) == (3 if splash else 0)
+    assert TPU_KERNEL not in cpu
+    # CPU: blocked (a loop over tiles) from 512 tokens; below, explicit or XLA (no loop).
+    assert ("stablehlo.while" in cpu) == (length >= kernel_choice.BLOCKED_MIN_LENGTH_CPU)
+
+
+def test_key_padding_mask_goes_to_the_tpu_kernel_and_a_general_mask_does_not():
+    x = jax.ShapeDtypeStruct((2, 1024, 2, 64), jnp.bfloat16)
+    padding = jnp.ones((2, 1, 1, 1024), bool)
+    general = jnp.ones((2, 1, 1024, 1024), bool)
+    assert TPU_KERNEL in lowered_text(_attention(True, padding), (x, x, x), "tpu")
+    assert TPU_KERNEL not in lowered_text(_attention(True, general), (x, x, x), "tpu")
+
+
+@pytest.mark.parametrize("name", list(long_attention_programs()))
+def test_models_carry_the_tpu_kernel_forward_and_backward(name):
+    function, args = long_attention_programs()[name]
+    tpu_calls = lowered_text(function, args, "tpu").count(TPU_KERNEL)
+    assert tpu_calls == (3 if "backward" in name else 1)
+    assert TPU_KERNEL not in lowered_text(function, args, "cpu")
+
+
+def test_tpu_program_compiles_with_libtpu(tpu_devices):
+    """A real TPU compile (v5e, compile-only devices): the kernel's tiles fit its VMEM, and the
+    batch is split over a 2 x 2 mesh (a Mosaic kernel cannot be partitioned by XLA: it runs
+    under the shard_map the mesh context gives)."""
+    devices = tpu_devices("v5e:2x2")
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "fsdp"), devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    x = jax.ShapeDtypeStruct((4, 2048, 8, 128), jnp.bfloat16, sharding=batch)
+
+    def on_mesh(q, k, v):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return _attention(True)(q, k, v)
+
+    compiled = jax.jit(on_mesh).lower(x, x, x).compile()
+    text = compiled.as_text()
+    assert "all-gather" not in text  # each device attends over its own examples
+    # Arguments and outputs: q, k, v and their gradients, one example of four per device.
+    per_device = 2048 * 8 * 128 * 2
+    memory = compiled.memory_analysis()
+    assert memory.argument_size_in_bytes == 3 * per_device
+    # (plus the output tuple's table of pointers)
+    assert 3 * per_device <= memory.output_size_in_bytes < 3 * per_device + 1024
+    assert text.count(f'custom_call_target="{TPU_KERNEL}"') == 3
