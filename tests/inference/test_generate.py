@@ -205,7 +205,9 @@ def test_save_stats_writes_pytorch_fids_statistics_of_the_samples(
     scale = np.abs(expected_sigma).max()
     np.testing.assert_allclose(sigma, expected_sigma, rtol=1e-3, atol=1e-4 * scale)
 
-    before = open(stats, "rb").read()
+    before, again = open(stats, "rb").read(), str(tmp_path / "again.png")
     with pytest.raises(ValueError, match="exists; not overwriting"):
-        generate.run_command(generate.parse_args([*args, "--save-stats", stats, *inception]))
-    assert open(stats, "rb").read() == before
+        generate.run_command(
+            generate.parse_args([*args[:-1], again, "--save-stats", stats, *inception])
+        )
+    assert open(stats, "rb").read() == before and not os.path.exists(again)
