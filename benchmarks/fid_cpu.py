@@ -151,9 +151,10 @@ def _markdown(result: dict) -> str:
 
 `python benchmarks/fid_cpu.py --num-images {result["images"]}` (JSON:
 [fid_cpu.json](fid_cpu.json)) on {result["cpu_cores"]} cores of an {result["processor"]},
-jax {result["jax"]}, torch {result["torch"]}. Each side reads the same folder of PNGs and the same statistics file, runs
-the same random FID Inception (299 x 299, 2048 features, batch {result["batch_size"]}) and
-takes the Frechet distance, as its own process timed from start to end:
+jax {result["jax"]}, torch {result["torch"]}. Each side reads the same folder of PNGs and the
+same statistics file, runs the same random FID Inception (299 x 299, 2048 features, batch
+{result["batch_size"]}) and takes the Frechet distance, as its own process timed from start to
+end:
 
 | implementation | seconds | images per second | FID |
 |---|---|---|---|
