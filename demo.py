@@ -12,7 +12,9 @@ completed from the top half of their codes given their class (taming's image com
 one grid twice as wide as the trained one is sampled with the sliding window. One table reports
 the ViT's test accuracy, the VQGAN's PSNR, codebook usage and the ViT's accuracy on its
 reconstructions, the prior's bits per token, the fractions of samples and of completions
-classified as their class, and the wall time of each stage; ``<workdir>/samples.png`` shows
+classified as their class, the domain FIDs (on the ViT's pre-logits: the samples, the
+reconstructions and, as the floor, training digits, each against the test digits, with the
+number of images on each side), and the wall time of each stage; ``<workdir>/samples.png`` shows
 the samples (a row per class), ``completions.png`` originals, their kept rows and completions
 (a row each), ``sliding_window.png`` the wide sample, and ``<workdir>/summary.json`` holds
 the numbers.
@@ -42,10 +44,20 @@ import configs
 from attnjax import data
 from attnjax.data.images import save_image_grid
 from attnjax.inference import generate
+from attnjax.metrics import sources
+from attnjax.metrics.features import frechet_distance_between, measure
 from attnjax.tasks import classification as classification_task
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import train_and_evaluate
+from attnjax.tasks.classification import PRE_LOGITS
 from attnjax.train import checkpoint, parallel, report
+
+# The domain FIDs of the table: its rows, in order (the feature network is the digits ViT).
+DOMAIN_FIDS = (
+    ("samples", "samples"),
+    ("reconstructions", "reconstructions"),
+    ("train_digits", "train digits (floor)"),
+)
 
 STAGES = (
     ("vit", "vit_digits"),
@@ -102,8 +114,8 @@ def classify(predict, images, batch_size=256):
     )
 
 
-def reconstruction_accuracy(vqgan, vit_config, predict) -> float:
-    """ViT accuracy on VQGAN reconstructions of the held-out digits."""
+def reconstruct_test_digits(vqgan):
+    """The held-out digits and their VQGAN reconstructions (VQGAN space), and their labels."""
     images, labels = prior_task.load_images(vqgan.config.data, vqgan.config.data.eval_split, 0)
     model = vqgan.model
     reconstruct = jax.jit(
@@ -116,12 +128,49 @@ def reconstruction_accuracy(vqgan, vit_config, predict) -> float:
     reconstructions = np.concatenate(
         [np.asarray(reconstruct(images[i : i + 120])) for i in range(0, len(images), 120)]
     )
-    predicted = classify(predict, vit_inputs(reconstructions, vqgan.config.data, vit_config.data))
+    return images, reconstructions, labels
+
+
+def reconstruction_accuracy(reconstructions, labels, vqgan_data, vit_config, predict) -> float:
+    """ViT accuracy on VQGAN reconstructions of the held-out digits."""
+    predicted = classify(predict, vit_inputs(reconstructions, vqgan_data, vit_config.data))
     return float(np.mean(predicted == labels))
 
 
+def pixels(images, vqgan_data):
+    """VQGAN-space images -> pixels clipped to [0, 1], as the ViT judges them."""
+    return np.clip(data.denormalize(np.asarray(images), vqgan_data), 0.0, 1.0)
+
+
+def domain_fids(vit_workdir, vqgan, samples, reconstructions, test_digits) -> dict:
+    """FIDs on the digits ViT's pre-logits (a domain FID: no Inception here) -> ``{name:
+    {"fid", "n", "n_reference"}}`` for the samples, the reconstructions and, as the floor,
+    as many training digits as there are samples, each against the held-out digits."""
+    extractor = classification_task.feature_extractor(vit_workdir)
+    train_digits, _ = prior_task.load_images(vqgan.config.data, vqgan.config.data.train_split, 0)
+    test = sources.ArrayImages(pixels(test_digits, vqgan.config.data), "test digits")
+    (mu, sigma), _ = measure(test, extractor, PRE_LOGITS, progress=False)
+    test_statistics = sources.Statistics("test digits", mu, sigma)
+    sets = {
+        "samples": np.clip(samples, 0.0, 1.0),
+        "reconstructions": pixels(reconstructions, vqgan.config.data),
+        "train_digits": pixels(train_digits[: len(samples)], vqgan.config.data),
+    }
+    return {
+        name: {
+            "fid": frechet_distance_between(
+                sources.ArrayImages(images, name), test_statistics, extractor, PRE_LOGITS, False
+            ),
+            "n": len(images),
+            "n_reference": len(test),
+        }
+        for name, images in sets.items()
+    }
+
+
 def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_class, path):
-    """Class-conditional samples, decoded and classified: fraction classified as their class."""
+    """Class-conditional samples, decoded and classified -> (the fraction classified as their
+    class, that fraction per class, the samples ``[n, H, W, C]``)."""
     _, params = checkpoint.load(prior_workdir)
     model = prior_task.create_model(prior_config)
     labels, images = prior_task.sample_grid(
@@ -134,7 +183,7 @@ def sample_and_classify(prior_config, prior_workdir, vit_config, predict, per_cl
     per_class_accuracy = [
         float(np.mean(predicted[labels == c] == c)) for c in range(prior_config.num_classes)
     ]
-    return float(np.mean(predicted == labels)), per_class_accuracy
+    return float(np.mean(predicted == labels)), per_class_accuracy, images
 
 
 def complete_and_classify(prior_workdir, vit_config, predict, number, path, shown=10):
@@ -189,6 +238,14 @@ def format_summary(summary: dict) -> str:
             f"{summary['completion_class_accuracy']:.4f}",
         ),
     ]
+    for name, what in DOMAIN_FIDS:
+        fid = summary["domain_fid"][name]
+        rows.append(
+            (
+                f"domain FID: {what} vs test (n={fid['n']} vs {fid['n_reference']})",
+                f"{fid['fid']:.3f}",
+            )
+        )
     for name, stage in summary["stages"].items():
         seconds = stage["train_seconds"]
         text = "n/a" if seconds is None else f"{seconds:.1f}"
@@ -199,7 +256,7 @@ def format_summary(summary: dict) -> str:
             )
         )
     rows.append(
-        ("wall time: sampling, completion + classification", f"{summary['eval_seconds']:.1f} s")
+        ("wall time: sampling, completion, classification, FID", f"{summary['eval_seconds']:.1f} s")
     )
     rows.append(("wall time: this demo run", f"{summary['total_seconds']:.1f} s"))
     width = max(len(name) for name, _ in rows)
@@ -242,9 +299,12 @@ def main(argv=None):
     eval_start = time.perf_counter()
     _, predict = classification_task.make_predict(workdirs["vit"])
     vqgan = prior_task.load_vqgan(workdirs["vqgan"])
-    recon_accuracy = reconstruction_accuracy(vqgan, stage_configs["vit"], predict)
+    test_digits, reconstructions, test_labels = reconstruct_test_digits(vqgan)
+    recon_accuracy = reconstruction_accuracy(
+        reconstructions, test_labels, vqgan.config.data, stage_configs["vit"], predict
+    )
     samples_path = os.path.join(args.workdir, "samples.png")
-    sample_accuracy, per_class = sample_and_classify(
+    sample_accuracy, per_class, samples = sample_and_classify(
         stage_configs["prior"],
         workdirs["prior"],
         stage_configs["vit"],
@@ -258,6 +318,7 @@ def main(argv=None):
     )
     window_path = os.path.join(args.workdir, "sliding_window.png")
     window_grid = sliding_window_sample(workdirs["prior"], window_path)
+    fids = domain_fids(workdirs["vit"], vqgan, samples, reconstructions, test_digits)
     summary = {
         "vit_test_accuracy": stages["vit"]["metrics"]["eval/accuracy"],
         "vqgan_psnr": stages["vqgan"]["metrics"]["eval/psnr"],
@@ -274,6 +335,7 @@ def main(argv=None):
         "completions_png": completions_path,
         "sliding_window_grid": list(window_grid),
         "sliding_window_png": window_path,
+        "domain_fid": fids,
         "stages": {
             name: {k: v for k, v in stage.items() if k != "metrics"}
             for name, stage in stages.items()

@@ -23,36 +23,17 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 from attnjax.metrics import scores, sources
-from attnjax.metrics.features import FeatureExtractor
-from attnjax.metrics.statistics import (
-    GaussianStatistics,
-    frechet_distance,
-    save_statistics,
+from attnjax.metrics.features import (
+    FeatureExtractor,
+    inception_extractor,
+    measure,
 )
+from attnjax.metrics.statistics import frechet_distance, save_statistics
 
 DIMS = (64, 192, 768, 2048)
 METRICS = ("is", "pr", "kid")
 ISC_FEATURE = "logits_unbiased"  # torch-fidelity's and the original Inception Score's
-
-
-def measure(source, extractor: FeatureExtractor, feature: str, keep=(), progress: bool = True):
-    """An image source through ``extractor`` -> (``(mu, sigma)`` of its ``feature``, the
-    ``keep`` outputs of every image as ``{name: [n, d]}``)."""
-    statistics, kept = GaussianStatistics(), {name: [] for name in keep}
-    batches = source.batches(extractor.batch_size)
-    for outputs in extractor(batches, len(source), progress, description=source.path):
-        if feature not in outputs:
-            raise ValueError(f"the feature function gives {sorted(outputs)}, not {feature!r}")
-        statistics.update(outputs[feature])
-        for name in keep:
-            kept[name].append(outputs[name])
-    if statistics.count < 2:
-        raise ValueError(f"{source.path!r}: {statistics.count} image(s); a covariance needs 2")
-    arrays = {name: np.concatenate(parts) for name, parts in kept.items()}
-    return (statistics.mean, statistics.covariance), arrays
 
 
 def evaluate(
@@ -102,16 +83,6 @@ def evaluate(
     (mu1, sigma1), (mu2, sigma2) = gaussians
     results["fid"] = frechet_distance(mu1, sigma1, mu2, sigma2)
     return results
-
-
-def inception_extractor(weights: str, dims: int, batch_size: int, with_logits: bool):
-    """pytorch-fid's Inception from converted ``weights`` as a ``FeatureExtractor`` of the
-    ``dims`` features (and the unbiased logits)."""
-    from attnjax.models import inception
-
-    outputs = (str(dims), ISC_FEATURE) if with_logits else (str(dims),)
-    model = inception.InceptionV3(outputs=outputs)
-    return FeatureExtractor(model.apply, inception.load_variables(weights), batch_size)
 
 
 def _parser() -> argparse.ArgumentParser:

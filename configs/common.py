@@ -59,6 +59,20 @@ def image_data(name: str, *, mean, std) -> ml_collections.ConfigDict:
     return data
 
 
+def fid() -> ml_collections.ConfigDict:
+    """The FID a generative task reports at the end of training (attnjax/tasks/image_metrics.py):
+    off until a feature network is named."""
+    return ml_collections.ConfigDict(
+        dict(
+            inception="",  # converted Inception .npz (python -m attnjax.convert.inception)
+            classifier="",  # or a classification workdir: its pre-logits, a domain FID
+            num_images=1000,  # N per side: FID depends on it, reported next to it (eval/*_n)
+            dims=2048,  # Inception features: 64, 192, 768 or 2048
+            batch_size=50,
+        )
+    )
+
+
 def classification(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A ViT classifier trained with AdamW (DeiT's decay 0.05), clipping and label smoothing."""
     config = training("classification")
@@ -109,6 +123,7 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     )
     config.discriminator = ml_collections.ConfigDict(dict(ndf=64, n_layers=3, norm="batch"))
     config.lpips = ml_collections.ConfigDict(dict(weights=""))  # converted LPIPS .npz; "": off
+    config.fid = fid()  # eval/rfid: reconstructions of N eval images against them
     config.disc_learning_rate = config.learning_rate
     config.b1 = 0.5
     config.b2 = 0.9
@@ -140,6 +155,7 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
             png_scale=1,
         )
     )
+    config.fid = fid()  # eval/fid: N samples against the VQGAN's eval split
     config.weight_decay = 0.01  # minGPT / Net2NetTransformer
     config.b2 = 0.95
     config.ema_decay = 0.0  # >0: evaluate an EMA of the parameters

@@ -102,6 +102,23 @@ def tpu_devices():
     return devices
 
 
+def inception_weights(tmp_path_factory):
+    """helpers.random_fid_inception's state dict saved as pytorch-fid's ``.pth`` and converted
+    by ``attnjax.convert.inception``, once per session -> ``{"pth": path, "npz": path}``."""
+    with made_once(tmp_path_factory, "inception") as (path, made):
+        files = {"pth": str(path / "pt_inception.pth"), "npz": str(path / "inception.npz")}
+        if not made:
+            import torch
+            from helpers import random_fid_inception
+
+            from attnjax.convert import inception as convert
+
+            torch.save(random_fid_inception().state_dict(), files["pth"])
+            assert convert.main([files["pth"], files["npz"]]) == 0
+            (path / "made").touch()
+    return files
+
+
 @pytest.fixture
 def np_rng():
     return np.random.default_rng(0)

@@ -431,3 +431,24 @@ def lowered_text(function, args, platform):
     """The StableHLO of ``function`` lowered for ``platform`` alone, traced on this host."""
     traced = jax.jit(function).trace(*args)
     return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def pytorch_fid_statistics(state_dict, images, dims):
+    """pytorch-fid's ``InceptionV3`` (``state_dict`` loaded by its own loader) on pixels
+    ``[n, H, W, C]`` in [0, 1], gray repeated to RGB -> ``(mu, sigma)`` of its ``dims``
+    features, computed as its ``get_activations`` and ``calculate_activation_statistics`` do."""
+    import torch
+    from pytorch_fid.inception import InceptionV3
+    from torch.nn.functional import adaptive_avg_pool2d
+
+    images = np.asarray(images, np.float32)
+    if images.shape[-1] == 1:
+        images = np.repeat(images, 3, axis=-1)
+    with pytorch_fid_weights(state_dict):
+        model = InceptionV3([InceptionV3.BLOCK_INDEX_BY_DIM[dims]]).eval()
+    with torch.no_grad():
+        features = model(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))[0]
+    if features.shape[2] != 1 or features.shape[3] != 1:
+        features = adaptive_avg_pool2d(features, output_size=(1, 1))
+    features = features.squeeze(3).squeeze(2).numpy().astype(np.float64)
+    return features.mean(axis=0), np.cov(features, rowvar=False)

@@ -80,3 +80,43 @@ def test_completions_are_judged_by_the_vit_and_the_wide_sample_is_written(traine
 def test_bad_completion_count_raises():
     with pytest.raises(ValueError, match="--completions must be >= 1, got 0"):
         demo.main(["--completions", "0"])
+
+
+@pytest.mark.xdist_group("trained_runs")  # with the other readers of the trained runs
+def test_domain_fids_are_pytorch_fids_distance_on_the_vits_pre_logits(trained_runs):
+    """Each domain FID against pytorch-fid's ``calculate_frechet_distance`` of ``np.mean`` and
+    ``np.cov`` of pre-logits computed here by the ViT itself."""
+    import numpy as np
+    from pytorch_fid.fid_score import calculate_frechet_distance
+
+    from attnjax import data
+    from attnjax.tasks import classification
+    from attnjax.tasks import prior as prior_task
+
+    vqgan = prior_task.load_vqgan(trained_runs["vqgan"])
+    test_digits, reconstructions, _ = demo.reconstruct_test_digits(vqgan)
+    samples = np.random.default_rng(0).random((40, *test_digits.shape[1:]), np.float32)
+    fids = demo.domain_fids(trained_runs["vit"], vqgan, samples, reconstructions, test_digits)
+
+    vit_config, variables = checkpoint.load(trained_runs["vit"], variables=())
+    model = classification.create_model(vit_config)
+
+    def statistics(pixels):
+        inputs = data.normalize(np.clip(pixels, 0, 1), vit_config.data)
+        features = np.asarray(model.apply(variables, inputs, return_aux=True)[1]["pre_logits"])
+        return features.mean(0), np.cov(features, rowvar=False)
+
+    to_pixels = lambda images: data.denormalize(images, vqgan.config.data)
+    test = statistics(to_pixels(test_digits))
+    train_digits, _ = prior_task.load_images(vqgan.config.data, "train[:40]", 0)
+    expected = {
+        "samples": (samples, 40),
+        "reconstructions": (to_pixels(reconstructions), len(test_digits)),
+        "train_digits": (to_pixels(train_digits), 40),
+    }
+    assert sorted(fids) == sorted(expected)
+    for name, (images, count) in expected.items():
+        reference = calculate_frechet_distance(*statistics(images), *test)
+        assert fids[name]["n"] == count and fids[name]["n_reference"] == len(test_digits)
+        assert fids[name]["fid"] == pytest.approx(reference, rel=1e-3), name
+    assert fids["samples"]["fid"] > fids["train_digits"]["fid"], "noise is farther than digits"

@@ -5,31 +5,27 @@ import pathlib
 
 import numpy as np
 import pytest
-import torch
 from helpers import pytorch_fid_weights, random_fid_inception
 from PIL import Image
 from pytorch_fid import fid_score
 
 from attnjax import fid
-from attnjax.convert import inception as convert
 
 IMAGES = 5  # per folder: covariances of rank 4, singular at every depth, as pytorch-fid's are
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, inception_weights):
     """``{"weights": converted .npz, "a": folder, "b": folder, "state": torch state dict}``."""
     root = tmp_path_factory.mktemp("fid")
     state = random_fid_inception().state_dict()
-    torch.save(state, root / "pt_inception.pth")
-    assert convert.main([str(root / "pt_inception.pth"), str(root / "inception.npz")]) == 0
     rng = np.random.default_rng(0)
     for name, high in (("a", 256), ("b", 160)):
         (root / name).mkdir()
         for i in range(IMAGES):
             pixels = rng.integers(0, high, (32, 32, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(root / name / f"{i}.png")
-    names = {"weights": root / "inception.npz", "a": root / "a", "b": root / "b"}
+    names = {"weights": inception_weights["npz"], "a": root / "a", "b": root / "b"}
     return {**{key: str(path) for key, path in names.items()}, "state": state}
 
 

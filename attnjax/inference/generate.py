@@ -14,6 +14,14 @@ with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p`` an
 default to the run's ``config.sampling``. The PNG goes to ``--out`` (default
 ``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten without
 ``--force``.
+
+``--save-stats OUT.npz`` also writes the samples' FID statistics in pytorch-fid's format (never
+over an existing file), on ``--inception W.npz`` (``--dims``, default 2048) or on the pre-logits
+of ``--classifier RUN`` (a domain FID)::
+
+    python -m attnjax.inference.generate --workdir runs/demo/prior --number 100 \\
+        --save-stats samples.npz --inception inception.npz
+    python -m attnjax.fid --inception inception.npz samples.npz tfds:digits:test
 """
 
 from __future__ import annotations
@@ -30,7 +38,11 @@ import numpy as np
 
 from attnjax import data
 from attnjax.data.images import save_image_grid
+from attnjax.metrics import sources
+from attnjax.metrics.features import inception_extractor, measure
+from attnjax.metrics.statistics import save_statistics
 from attnjax.models import gpt, sampling
+from attnjax.tasks import classification, image_metrics
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
 from attnjax.train import checkpoint
@@ -160,6 +172,7 @@ def run_command(args) -> str:
     out = args.out or os.path.join(args.workdir, default_name)
     if os.path.exists(out) and not args.force:
         raise ValueError(f"{out!r} exists; pass --force to overwrite it (or --out elsewhere)")
+    check_statistics_args(args)
     run = load_prior(args.workdir, args.step)
     num_classes = run.config.num_classes
     if args.class_id is not None and num_classes == 0:
@@ -196,7 +209,41 @@ def run_command(args) -> str:
     else:
         labels, nrow = np.repeat(np.arange(num_classes, dtype=np.int32), args.number), args.number
     codes = sample_codes(run, labels, rng, number=args.number, grid_shape=grid, **settings)
-    return save_image_grid(decode(run, codes), out, nrow=nrow, scale=scale)
+    images = decode(run, codes)
+    if args.save_stats:
+        save_sample_statistics(images, args)
+    return save_image_grid(images, out, nrow=nrow, scale=scale)
+
+
+def check_statistics_args(args) -> None:
+    """``--save-stats`` needs one network and a new ``.npz``: checked before any sampling."""
+    if not args.save_stats:
+        if args.inception or args.classifier:
+            raise ValueError("--inception and --classifier are for --save-stats OUT.npz")
+        return
+    if not args.save_stats.endswith(".npz"):
+        raise ValueError(f"--save-stats {args.save_stats!r} must end in .npz (pytorch-fid's)")
+    if os.path.exists(args.save_stats):
+        raise ValueError(f"--save-stats {args.save_stats!r} exists; not overwriting it")
+    if bool(args.inception) == bool(args.classifier):
+        raise ValueError("--save-stats needs one network: --inception W.npz or --classifier RUN")
+    if args.complete:
+        raise ValueError("--save-stats writes the statistics of samples, not of --complete")
+    if args.dims not in image_metrics.INCEPTION_DIMS:
+        raise ValueError(f"--dims {args.dims} must be one of {image_metrics.INCEPTION_DIMS}")
+
+
+def save_sample_statistics(images, args) -> str:
+    """pytorch-fid's statistics file (``mu``, ``sigma``) of the samples' features: the
+    Inception's ``--dims`` features, or a classification run's pre-logits (a domain FID)."""
+    if args.inception:
+        extractor, feature = inception_extractor(args.inception, args.dims), str(args.dims)
+    else:
+        extractor = classification.feature_extractor(args.classifier)
+        feature = classification.PRE_LOGITS
+    source = sources.ArrayImages(np.clip(images, 0.0, 1.0), "samples")
+    (mu, sigma), _ = measure(source, extractor, feature, progress=False)
+    return save_statistics(args.save_stats, mu, sigma)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -233,6 +280,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="PNG path (default: in --workdir)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    parser.add_argument(
+        "--save-stats", default=None, help="also write the samples' FID statistics to this .npz"
+    )
+    parser.add_argument("--inception", default=None, help="converted Inception .npz for them")
+    parser.add_argument("--dims", type=int, default=2048, help="Inception feature depth")
+    parser.add_argument("--classifier", default=None, help="or a classification run (domain)")
     return parser.parse_args(argv)
 
 

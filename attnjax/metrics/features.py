@@ -9,6 +9,11 @@ count and the last one padded with zeros, whose rows are dropped (a set smaller 
 the ``data`` axis of a mesh over the devices (data parallelism declared, XLA splits the work);
 the variables are replicated once. While the devices compute one batch the host reads the
 next, and a progress bar counts images with their rate and the time left.
+
+``measure(source, extractor, feature)`` runs an image source (``attnjax.metrics.sources``)
+through an extractor into the mean and covariance of one of its features;
+``frechet_distance_between(a, b, extractor, feature)`` is the FID of two sources (or statistics)
+with any network; ``inception_extractor`` is pytorch-fid's Inception from converted weights.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
+
+from attnjax.metrics import sources
+from attnjax.metrics.statistics import GaussianStatistics, frechet_distance
 
 ApplyFn = Callable[..., Mapping[str, jax.Array]]
 
@@ -87,3 +96,52 @@ class FeatureExtractor:
         features = {name: np.asarray(value)[:count] for name, value in outputs.items()}
         bar.update(count)
         return features
+
+
+def measure(source, extractor: FeatureExtractor, feature: str, keep=(), progress: bool = True):
+    """An image source through ``extractor`` -> (``(mu, sigma)`` of its ``feature``, the
+    ``keep`` outputs of every image as ``{name: [n, d]}``)."""
+    statistics, kept = GaussianStatistics(), {name: [] for name in keep}
+    batches = source.batches(extractor.batch_size)
+    for outputs in extractor(batches, len(source), progress, description=source.path):
+        if feature not in outputs:
+            raise ValueError(f"the feature function gives {sorted(outputs)}, not {feature!r}")
+        statistics.update(outputs[feature])
+        for name in keep:
+            kept[name].append(outputs[name])
+    if statistics.count < 2:
+        raise ValueError(f"{source.path!r}: {statistics.count} image(s); a covariance needs 2")
+    arrays = {name: np.concatenate(parts) for name, parts in kept.items()}
+    return (statistics.mean, statistics.covariance), arrays
+
+
+def frechet_distance_between(
+    generated, real, extractor: FeatureExtractor, feature: str, progress: bool = True
+) -> float:
+    """The FID of two image sources (``sources.ArrayImages``, a folder, a TFDS split) or
+    ``sources.Statistics`` on ``extractor``'s ``feature``; ``generated`` first, as pytorch-fid."""
+    gaussians = [
+        (source.mu, source.sigma)
+        if isinstance(source, sources.Statistics)
+        else measure(source, extractor, feature, progress=progress)[0]
+        for source in (generated, real)
+    ]
+    return frechet_distance(*gaussians[0], *gaussians[1])
+
+
+def inception_extractor(
+    weights: str, dims: int = 2048, batch_size: int = 50, with_logits: bool = False
+) -> FeatureExtractor:
+    """pytorch-fid's Inception from converted ``weights`` as a ``FeatureExtractor`` of the
+    ``dims`` features (named ``str(dims)``) and, ``with_logits``, the unbiased logits. Gray
+    images ``[b, H, W, 1]`` are repeated to three channels, as the image sources read them."""
+    from attnjax.models import inception
+
+    outputs = (str(dims), "logits_unbiased") if with_logits else (str(dims),)
+    model = inception.InceptionV3(outputs=outputs)
+
+    def apply(variables, images):
+        images = jnp.repeat(images, 3, axis=-1) if images.shape[-1] == 1 else images
+        return model.apply(variables, images)
+
+    return FeatureExtractor(apply, inception.load_variables(weights), batch_size)

@@ -6,6 +6,8 @@
 - ``tfds:NAME:SPLIT`` (``tfds:cifar10:test``, ``tfds:mnist:train[:10000]``): the ``image`` of
   every example of a prepared TFDS split, gray images repeated to three channels.
 
+- images in memory (``ArrayImages``): generated samples, reconstructions, a decoded split.
+
 ``open_source`` returns ``Statistics`` or an image source (``len`` and ``batches(size)``, each
 batch float32 ``[n, H, W, 3]``). Every problem is a ValueError in one line that names the path.
 """
@@ -105,6 +107,26 @@ class TfdsSplit:
             indices = range(start, min(start + size, len(self)))
             images = [_rgb(np.asarray(self.source[i]["image"]), self.path) for i in indices]
             yield _stack(images, [f"example {i}" for i in indices], self.path)
+
+
+class ArrayImages:
+    """Images held in memory, ``[n, H, W, C]`` floats in [0, 1], as given (no channel change:
+    a domain network may read gray images); ``path`` names them in messages."""
+
+    def __init__(self, images, path: str = "images"):
+        self.path = path
+        self.images = np.asarray(images, np.float32)
+        if self.images.ndim != 4 or not len(self.images):
+            raise ValueError(
+                f"{path}: images must be [n, H, W, C] with n > 0, got {self.images.shape}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def batches(self, size: int) -> Iterator[np.ndarray]:
+        for start in range(0, len(self), size):
+            yield self.images[start : start + size]
 
 
 def open_source(spec: str, data_dir: str | None = None):

@@ -22,6 +22,7 @@ import optax
 from absl import logging
 
 from attnjax import data
+from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
 from attnjax.ops import positional
 from attnjax.train import checkpoint, optim, sharding
@@ -242,3 +243,22 @@ def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:
         return model.apply(model_variables, images, train=False)
 
     return config, predict
+
+
+PRE_LOGITS = "pre_logits"
+
+
+def feature_extractor(workdir: str, batch_size: int = 256, **load_kwargs) -> FeatureExtractor:
+    """A classification run's pre-logits ``[b, width]`` (the pooled features its head reads) as
+    a ``FeatureExtractor`` output named ``PRE_LOGITS``: a domain FID's network.
+
+    It takes images ``[b, H, W, C]`` in [0, 1] at the run's size and channels and normalises
+    them as the run's data were."""
+    config, variables = checkpoint.load(workdir, variables=VARIABLE_FIELDS, **load_kwargs)
+    model = create_model(config)
+
+    def pre_logits(variables, images):
+        normalised = data.normalize(images, config.data)
+        return {PRE_LOGITS: model.apply(variables, normalised, return_aux=True)[1][PRE_LOGITS]}
+
+    return FeatureExtractor(pre_logits, variables, batch_size)

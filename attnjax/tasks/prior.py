@@ -36,6 +36,7 @@ from attnjax.data.images import save_image_grid
 from attnjax.models import gpt
 from attnjax.models.gpt import null_tokens, prefix_tokens
 from attnjax.models.sampling import sample
+from attnjax.tasks import image_metrics
 from attnjax.tasks import vqgan as vqgan_task
 
 # The VQGAN side (its codes, images of its dataset): in vqgan_codes, importable from here too.
@@ -139,6 +140,7 @@ def _check_labels(config, *label_arrays):
 
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:
+    image_metrics.check_config(config)  # before training, not after it
     codes = jnp.asarray(example_batch["codes"][:1])
     params = jax.jit(lambda r: model.init(r, codes))(rng)["params"]
     tx = optim.make_optimizer(config)
@@ -360,3 +362,49 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     os.makedirs(os.path.join(workdir, "samples"), exist_ok=True)
     path = os.path.join(workdir, "samples", f"{int(step):06d}.png")
     sample_grid(state, config, model, jax.random.key(config.seed), path)
+
+
+def finalize(state: TrainState, metrics, *, config, model, workdir):
+    """``eval/fid`` when ``config.fid`` names a feature network."""
+    if not image_metrics.enabled(config) or jax.process_index() != 0:
+        return {}
+    return sample_fid(_eval_params(state), config, model)
+
+
+def sample_fid(params, config, model: gpt.GPT) -> dict:
+    """``eval/fid``: ``config.fid.num_images`` samples (classes in turn, ``config.sampling``)
+    against as many images of the VQGAN's eval split (``attnjax.tasks.image_metrics``), with
+    ``eval/fid_n`` and ``eval/fid_real_n``."""
+    vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
+    sampling, classes = config.sampling, config.num_classes
+    key = jax.random.key(config.seed + 4)
+
+    def sample_batch(indices):
+        labels = (indices % classes).astype(np.int32) if classes else None
+        _, images = sample_images(
+            model,
+            params,
+            vqgan.model,
+            vqgan.variables,
+            labels,
+            jax.random.fold_in(key, int(indices[0])),
+            grid_shape=vqgan.grid_shape,
+            codebook_size=vqgan.model.n_embed,
+            num_classes=classes,
+            num_samples=len(indices),
+            temperature=sampling.temperature,
+            top_k=sampling.get("top_k"),
+            top_p=sampling.get("top_p"),
+            guidance=sampling_guidance(config),
+            mean=vqgan.config.data.mean,
+            std=vqgan.config.data.std,
+        )
+        return images
+
+    samples = image_metrics.in_batches(
+        sample_batch, np.arange(config.fid.num_images), config.fid.batch_size
+    )
+    data_config = vqgan.config.data
+    real = image_metrics.first_images(data_config, data_config.eval_split, config.fid.num_images)
+    value = image_metrics.fid(config, samples, data.denormalize(real, data_config), "eval/fid")
+    return {"eval/fid": value, "eval/fid_n": len(samples), "eval/fid_real_n": len(real)}

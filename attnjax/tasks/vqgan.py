@@ -26,13 +26,16 @@ option off), ``reseed_threshold`` (kind "vq" only), ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
 ``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
 ``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
-``attnjax.models.lpips.load_variables``; "" turns the perceptual term off, and the log says so;
-torch is never needed here), ``disc_learning_rate`` and the ``attnjax.train.optim``
+``attnjax.models.lpips.load_variables``; "" turns the perceptual term and ``eval/lpips`` off, and
+the log says so; torch is never needed here), ``fid`` (``eval/rfid`` at the end of training,
+``attnjax.tasks.image_metrics``), ``disc_learning_rate`` and the ``attnjax.train.optim``
 fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
 
 Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
 averaged), ``perplexity`` and ``codebook_usage`` (fraction of codes used, per eval batch
 weighted by its examples: an eval batch holding the whole split gives the split's usage),
+``ssim`` (scikit-image's Gaussian SSIM, ``attnjax.metrics.ssim``; images of 11 pixels or more),
+``lpips`` (LPIPS distance, when ``lpips.weights`` is set, whatever the perceptual weight),
 ``g_loss``/``disc_loss`` when there is a discriminator: the training step's loss functions and
 settings (``disc_loss``, ``disc_factor`` and ``disc_start`` at the state's step) with the
 discriminator in eval mode, per image, averaged.
@@ -54,9 +57,11 @@ from jax.sharding import PartitionSpec as P
 
 from attnjax import data
 from attnjax.data.images import save_image_grid
+from attnjax.metrics import ssim
 from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
+from attnjax.tasks import image_metrics
 from attnjax.train import optim, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
@@ -116,15 +121,14 @@ def create_model(config) -> dict:
     discriminator = None
     if config.loss.get("disc_weight", 0.0) > 0:
         discriminator = NLayerDiscriminator(**config.discriminator.to_dict())
-    lpips_model = None
     if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
         logging.warning(
             "config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
             "training WITHOUT the perceptual (LPIPS) term, i.e. perceptual weight 0.",
             config.loss.perceptual_weight,
         )
-    elif perceptual_weight(config):
-        lpips_model = lpips.LPIPS()
+    # With weights, LPIPS is the perceptual term (when weighted) and the eval/lpips metric.
+    lpips_model = lpips.LPIPS() if config.get("lpips", {}).get("weights") else None
     return {"autoencoder": autoencoder, "discriminator": discriminator, "lpips": lpips_model}
 
 
@@ -160,6 +164,7 @@ def _optimizers(config):
 
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:
+    image_metrics.check_config(config)  # before training, not after it
     images = jnp.asarray(example_batch["image"])
     ae_rng, disc_rng = jax.random.split(rng)
     variables = jax.jit(lambda r: model["autoencoder"].init(r, images[:1]))(ae_rng)
@@ -345,15 +350,12 @@ def eval_step(state: TrainState, batch, *, config, model):
     )
     psnr = -10.0 * jnp.log10(jnp.maximum(mse, 1e-10))
     count = jnp.sum(mask)
+    sums = {"l1": jnp.sum(l1 * mask), "psnr": jnp.sum(psnr * mask), "count": count}
+    sums.update(_similarities(state, x, rec, mask, config=config, model=model))
     indices = aux["indices"]
     codebook = vector_quantizer.codebook_statistics(indices, autoencoder.n_embed, mask)
-    sums = {
-        "l1": jnp.sum(l1 * mask),
-        "psnr": jnp.sum(psnr * mask),
-        "count": count,
-        "perplexity": codebook["perplexity"] * count,
-        "codebook_usage": codebook["codebook_usage"] * count,
-    }
+    sums["perplexity"] = codebook["perplexity"] * count
+    sums["codebook_usage"] = codebook["codebook_usage"] * count
     if disc is not None:
         disc_vars = {"params": state.params["discriminator"], "batch_stats": state.batch_stats}
         real, fake = disc.apply(disc_vars, x), disc.apply(disc_vars, rec)
@@ -366,6 +368,21 @@ def eval_step(state: TrainState, batch, *, config, model):
         )(real, fake)
         sums["g_loss"] = jnp.sum(g_loss * mask)
         sums["disc_loss"] = jnp.sum(d_loss * mask)
+    return sums
+
+
+def _similarities(state: TrainState, x, rec, mask, *, config, model) -> dict:
+    """Sums over the real examples of ``ssim`` (pixels in [0, 1], the reconstruction clipped as
+    for PSNR; images at least as large as its 11-pixel window) and ``lpips`` (with LPIPS
+    weights; on the model's scale, as the perceptual term reads it)."""
+    sums = {}
+    if min(x.shape[1:3]) >= len(ssim.gaussian_window(1.5, 3.5)):
+        pixels = _to_unit_range(x, config.data)
+        rec_pixels = jnp.clip(_to_unit_range(rec, config.data), 0.0, 1.0)
+        sums["ssim"] = jnp.sum(ssim.ssim(rec_pixels, pixels, data_range=1.0) * mask)
+    if model["lpips"] is not None:
+        distance = model["lpips"].apply(state.lpips_params, _rgb(rec), _rgb(x))
+        sums["lpips"] = jnp.sum(distance * mask)
     return sums
 
 
@@ -410,7 +427,8 @@ def decode_every_code(model: vqgan.VQGAN, variables, grid_shape) -> np.ndarray:
 
 
 def finalize(state: TrainState, metrics, *, config, model, workdir):
-    """``codebook.png``: every code decoded alone, in index order."""
+    """``codebook.png``: every code decoded alone, in index order; ``eval/rfid`` when
+    ``config.fid`` names a feature network."""
     autoencoder = model["autoencoder"]
     size = config.data.image_size // autoencoder.downsample_factor
     variables = _autoencoder_variables(state.params, state.quantizer_state)
@@ -418,4 +436,19 @@ def finalize(state: TrainState, metrics, *, config, model, workdir):
         _to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data)
     )
     save_image_grid(decoded, os.path.join(workdir, "codebook.png"), 16, scale=3)
-    return {}
+    if not image_metrics.enabled(config) or jax.process_index() != 0:
+        return {}
+    return reconstruction_fid(autoencoder, variables, config)
+
+
+def reconstruction_fid(autoencoder: vqgan.VQGAN, variables, config) -> dict:
+    """``eval/rfid``: the reconstructions of the first ``config.fid.num_images`` eval images
+    against those images (``attnjax.tasks.image_metrics``), and ``eval/rfid_n``."""
+    images = image_metrics.first_images(config.data, config.data.eval_split, config.fid.num_images)
+    reconstruct = compiled_method(autoencoder, "__call__")
+    reconstructions = image_metrics.in_batches(
+        lambda x: reconstruct(variables, x)[0], images, config.fid.batch_size
+    )
+    pixels = [np.asarray(_to_unit_range(x, config.data)) for x in (reconstructions, images)]
+    value = image_metrics.fid(config, *pixels, "eval/rfid")
+    return {"eval/rfid": value, "eval/rfid_n": len(images)}

@@ -163,6 +163,11 @@ def test_refuses_to_overwrite_and_reports_bad_values_in_one_line(prior_workdir, 
         (["--top_p", "1.5"], r"top_p must be in \(0, 1\]"),
         (["--complete", "2", "--rows", "4"], r"--rows must be in \[1, 3\]"),
         (["--grid", "4x8", "--complete", "2"], "separate modes"),
+        (["--inception", "w.npz"], "are for --save-stats"),
+        (["--save-stats", str(tmp_path / "s.txt"), "--inception", "w.npz"], "must end in .npz"),
+        (["--save-stats", str(out) + ".npz"], "needs one network"),
+        (["--save-stats", "s.npz", "--inception", "w.npz", "--classifier", "r"], "one network"),
+        (["--save-stats", "s.npz", "--inception", "w.npz", "--dims", "100"], "--dims 100"),
     ]
     for flags, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -172,3 +177,37 @@ def test_refuses_to_overwrite_and_reports_bad_values_in_one_line(prior_workdir, 
                 )
             )
     assert not os.path.exists(tmp_path / "new.png")
+
+
+def test_save_stats_writes_pytorch_fids_statistics_of_the_samples(
+    prior_workdir, inception_weights, tmp_path
+):
+    """``--save-stats`` on random Inception weights: the mean and covariance of pytorch-fid's
+    features of the samples the PNG shows, in a file its ``fid_score`` reads."""
+    import torch
+    from helpers import pytorch_fid_statistics
+    from pytorch_fid import fid_score
+
+    stats, png = str(tmp_path / "samples.npz"), str(tmp_path / "samples.png")
+    args = ["--workdir", prior_workdir, "--number", "2", "--seed", "1", "--out", png]
+    inception = ["--inception", inception_weights["npz"], "--dims", "64"]
+    assert generate.main([*args, "--save-stats", stats, *inception]) == png
+    mu, sigma = fid_score.compute_statistics_of_path(stats, None, 50, 64, "cpu")
+
+    run = generate.load_prior(prior_workdir)
+    labels = np.repeat(np.arange(10, dtype=np.int32), 2)
+    settings = generate.sampling_settings(run)
+    codes = generate.sample_codes(run, labels, jax.random.key(1), number=2, **settings)
+    samples = np.clip(generate.decode(run, codes), 0, 1)
+    state = torch.load(inception_weights["pth"], weights_only=True)
+    expected_mu, expected_sigma = pytorch_fid_statistics(state, samples, 64)
+    np.testing.assert_allclose(mu, expected_mu, rtol=1e-4, atol=1e-4 * np.abs(expected_mu).max())
+    scale = np.abs(expected_sigma).max()
+    np.testing.assert_allclose(sigma, expected_sigma, rtol=1e-3, atol=1e-4 * scale)
+
+    before, again = open(stats, "rb").read(), str(tmp_path / "again.png")
+    with pytest.raises(ValueError, match="exists; not overwriting"):
+        generate.run_command(
+            generate.parse_args([*args[:-1], again, "--save-stats", stats, *inception])
+        )
+    assert open(stats, "rb").read() == before and not os.path.exists(again)

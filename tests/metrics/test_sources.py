@@ -66,3 +66,14 @@ def test_bad_sources_are_one_line_naming_the_path(tmp_path, np_rng):
             list(source.batches(8))
         message = str(error.value)
         assert expected in message and "\n" not in message, (spec, message)
+
+
+def test_images_in_memory_are_a_source_as_given():
+    images = np.random.default_rng(0).random((5, 4, 4, 1), np.float32)
+    source = sources.ArrayImages(images, "samples")
+    assert len(source) == 5
+    batches = list(source.batches(2))
+    assert [len(batch) for batch in batches] == [2, 2, 1]
+    np.testing.assert_array_equal(np.concatenate(batches), images)  # gray stays gray
+    with pytest.raises(ValueError, match=r"samples: images must be \[n, H, W, C\]"):
+        sources.ArrayImages(images[0], "samples")

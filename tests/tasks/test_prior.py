@@ -206,3 +206,59 @@ def test_shift_moves_pixels_with_zero_fill():
     moved = vqgan_codes._shift(image, 1, -1)
     np.testing.assert_array_equal(moved[1:, :-1], image[:-1, 1:])
     assert not moved[0].any() and not moved[:, -1].any()
+
+
+@pytest.mark.xdist_group("trained_runs")  # with the other readers of the trained runs
+def test_finalize_reports_the_fid_of_samples_on_a_classifiers_pre_logits(trained_runs):
+    """``config.fid.classifier``: the domain FID of N samples (classes in turn, the key folded
+    with each step's first index) against the first N eval images, equal to pytorch-fid's
+    distance of ``np.mean``/``np.cov`` of the ViT's own pre-logits."""
+    from pytorch_fid.fid_score import calculate_frechet_distance
+
+    from attnjax import data
+    from attnjax.tasks import classification
+    from attnjax.train import checkpoint
+
+    config, params = checkpoint.load(trained_runs["prior"])
+    config.fid.update(classifier=trained_runs["vit"], num_images=12, batch_size=8)
+    model = prior.create_model(config)
+    state = prior.TrainState(step=0, params=params, opt_state=None, ema_params=None)
+    result = prior.finalize(state, {}, config=config, model=model, workdir="unused")
+    assert result["eval/fid_n"] == 12 and result["eval/fid_real_n"] == 12
+
+    vqgan = prior.load_vqgan(config.vqgan_workdir)
+    samples = []
+    for start in (0, 8):
+        labels = np.arange(start, start + 8) % 10
+        _, images = prior.sample_images(
+            model,
+            params,
+            vqgan.model,
+            vqgan.variables,
+            labels.astype(np.int32),
+            jax.random.fold_in(jax.random.key(config.seed + 4), start),
+            grid_shape=vqgan.grid_shape,
+            codebook_size=vqgan.model.n_embed,
+            num_classes=10,
+            temperature=config.sampling.temperature,
+            top_k=config.sampling.top_k,
+            guidance=prior.sampling_guidance(config),
+            mean=0.5,
+            std=0.5,
+        )
+        samples.append(images)
+    samples = np.concatenate(samples)[:12]
+    real, _ = prior.load_images(vqgan.config.data, "test[:12]", 0)
+
+    vit_config, variables = checkpoint.load(trained_runs["vit"], variables=())
+    vit = classification.create_model(vit_config)
+
+    def statistics(pixels):
+        inputs = data.normalize(np.clip(pixels, 0, 1), vit_config.data)
+        features = np.asarray(vit.apply(variables, inputs, return_aux=True)[1]["pre_logits"])
+        return features.mean(0), np.cov(features, rowvar=False)
+
+    expected = calculate_frechet_distance(
+        *statistics(samples), *statistics(data.denormalize(real, vqgan.config.data))
+    )
+    assert_close(result["eval/fid"], expected, rtol=1e-3, what="eval/fid against pytorch-fid")

@@ -8,23 +8,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from absl import logging
-from helpers import assert_close, count_compilations, load_config, tiny_vqgan_config
+from helpers import (
+    assert_close,
+    count_compilations,
+    load_config,
+    lpips_distance,
+    pytorch_fid_statistics,
+    tiny_vqgan_config,
+)
+from pytorch_fid.fid_score import calculate_frechet_distance
 
 from attnjax import data
+from attnjax.convert.lpips import lpips_from_torch
 from attnjax.models import lpips
 from attnjax.tasks import train_and_evaluate
 from attnjax.tasks import vqgan as vqgan_task
 from attnjax.train import checkpoint
 
 
-def test_short_run_with_gan(digits_dir, tmp_path):
+def test_short_run_with_gan(digits_dir, inception_weights, tmp_path):
     """The digits config (l2 codes + re-seeding) with the PatchGAN from step 4: both sides of
     disc_start, the metrics and PNGs a person looks at, and a checkpoint that
-    ``inference_model`` turns back into the evaluated autoencoder."""
+    ``inference_model`` turns back into the evaluated autoencoder: its PSNR and SSIM (against
+    scikit-image's) and its rFID (against pytorch-fid's, random Inception weights) are the
+    run's."""
     config = tiny_vqgan_config(digits_dir, num_train_steps=8, eval_every=8, checkpoint_every=8)
     config.loss.update(disc_start=4, disc_weight=0.8)
     config.discriminator.update(ndf=8, n_layers=1)
+    # 6 images in steps of 4: the last step padded; 64 features: no 2048-dim square root.
+    config.fid.update(inception=inception_weights["npz"], num_images=6, dims=64, batch_size=4)
     workdir = str(tmp_path)
     result = train_and_evaluate(config, workdir)
 
@@ -58,6 +72,33 @@ def test_short_run_with_gan(digits_dir, tmp_path):
     psnr = np.mean(-10 * np.log10(np.mean(error**2, axis=(1, 2, 3))))
     assert_close(psnr, result["eval/psnr"], rtol=1e-4, what="PSNR of the reloaded autoencoder")
 
+    pixels = images * 0.5 + 0.5
+    reconstructions = np.clip(np.asarray(rec) * 0.5 + 0.5, 0, 1)
+    ssim = np.mean([_skimage_ssim(a, b) for a, b in zip(reconstructions, pixels)])
+    assert_close(result["eval/ssim"], ssim, rtol=1e-4, what="eval/ssim against scikit-image")
+
+    assert result["eval/rfid_n"] == 6
+    state = torch.load(inception_weights["pth"], weights_only=True)
+    expected = calculate_frechet_distance(
+        *pytorch_fid_statistics(state, reconstructions[:6], 64),
+        *pytorch_fid_statistics(state, pixels[:6], 64),
+    )
+    assert_close(result["eval/rfid"], expected, rtol=1e-3, what="eval/rfid against pytorch-fid")
+
+
+def _skimage_ssim(image, reference):
+    from skimage.metrics import structural_similarity
+
+    return structural_similarity(
+        image,
+        reference,
+        gaussian_weights=True,
+        sigma=1.5,
+        use_sample_covariance=False,
+        data_range=1.0,
+        channel_axis=-1,
+    )
+
 
 def test_lpips_weights_come_from_a_converted_file(tmp_path):
     """The perceptual term reads the .npz that ``lpips.save_variables`` wrote, array for array."""
@@ -76,11 +117,16 @@ def test_lpips_weights_come_from_a_converted_file(tmp_path):
     chex.assert_trees_all_close(state.lpips_params, variables, rtol=0, atol=0)
 
 
-def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_dir):
+def test_eval_losses_are_the_training_losses_with_the_configs_settings(
+    digits_dir, lpips_reference, tmp_path
+):
     """eval/g_loss and eval/disc_loss follow config.loss (vanilla loss, disc_factor 0.5), over the
-    real examples only, with the discriminator in eval mode."""
+    real examples only, with the discriminator in eval mode; eval/lpips is the ``lpips``
+    package's distance whenever LPIPS weights are given, here with perceptual weight 0."""
     config = tiny_vqgan_config(digits_dir)
     config.loss.update(disc_weight=0.8, disc_loss="vanilla", disc_factor=0.5, disc_start=0)
+    _, lpips_variables = lpips_from_torch(lpips_reference.state_dict())
+    config.lpips.weights = lpips.save_variables(lpips_variables, tmp_path / "lpips.npz")
     config.discriminator.update(ndf=8, n_layers=1)
     model = vqgan_task.create_model(config)
     batch = next(iter(data.make_datasets(config).eval))
@@ -101,6 +147,9 @@ def test_eval_losses_are_the_training_losses_with_the_configs_settings(digits_di
     assert float(sums["count"]) == 40
     assert_close(float(sums["disc_loss"]) / 40, expected_d, rtol=1e-5, what="eval/disc_loss")
     assert_close(float(sums["g_loss"]) / 40, -np.mean(fake), rtol=1e-5, what="eval/g_loss")
+    rgb = lambda x: np.repeat(np.asarray(x), 3, axis=-1)
+    distance = lpips_distance(lpips_reference, rgb(rec), rgb(real_images))
+    assert_close(float(sums["lpips"]) / 40, np.mean(distance), rtol=1e-4, what="eval/lpips")
 
 
 def test_image_writing_compiles_once(digits_dir, tmp_path):
