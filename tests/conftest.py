@@ -102,6 +102,7 @@ def tpu_devices():
     return devices
 
 
+@pytest.fixture(scope="session")
 def inception_weights(tmp_path_factory):
     """helpers.random_fid_inception's state dict saved as pytorch-fid's ``.pth`` and converted
     by ``attnjax.convert.inception``, once per session -> ``{"pth": path, "npz": path}``."""
