@@ -157,6 +157,22 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     )
 
 
+def abstract_batch(config, batch_size: int) -> dict:
+    """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``)."""
+    size = config.model.get("image_size") or config.data.get("image_size")
+    if not size:
+        raise ValueError(
+            "config.model.image_size and config.data.image_size are unset (native size); "
+            "set one to compile without the data."
+        )
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = config.model.get("in_channels", 3)
+    return {
+        "image": jax.ShapeDtypeStruct((batch_size, height, width, channels), jnp.float32),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
+
+
 def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     tx = optim.make_optimizer(config)
 

@@ -112,7 +112,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     """
     _check_loop_fields(config)
     parallel.maybe_initialize_distributed(config)
-    dp = _make_data_parallel(config, task)
+    dp = make_data_parallel(config, task)
     identity = getattr(task, "IDENTITY_FIELDS", checkpoint.DEFAULT_IDENTITY_FIELDS)
     checkpoint.check_compatible(workdir, config, identity)
     model = task.create_model(config)
@@ -133,7 +133,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         _log_setup(config, datasets, dp)
         if dp.mode == "pmap":
             state = dp.place_state(state)
-        train_step, eval_step = _compile_steps(config, task, model, dp, state)
+        train_step, eval_step = compile_steps(config, task, model, dp, state)
         batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
         stack.callback(writer.close)
@@ -164,14 +164,16 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     return result
 
 
-def _make_data_parallel(config, task) -> parallel.DataParallel:
+def make_data_parallel(config, task, devices=None) -> parallel.DataParallel:
+    """The run's placement: ``config.mesh`` over ``devices`` (default ``run_devices``) with the
+    task's partition rules."""
     return parallel.DataParallel(
         config.get("parallel", "jit"),
         config.batch_size,
         config.get("eval_batch_size") or None,
         mesh=config.get("mesh", None),
         rules=sharding.rules_for(config, getattr(task, "SHARDING_RULES", None)),
-        devices=parallel.run_devices(config),
+        devices=parallel.run_devices(config) if devices is None else devices,
     )
 
 
@@ -210,7 +212,9 @@ def _log_setup(config, datasets, dp) -> None:
     )
 
 
-def _compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
+def compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
+    """The jitted ``train_step(state, batch, rng)`` and ``eval_step(state, batch)``; ``state``
+    may be abstract (``jax.ShapeDtypeStruct``s: only its layout is read)."""
     train_step = dp.compile_train_step(
         functools.partial(task.train_step, config=config, model=model),
         dp.state_shardings(state) if dp.mode == "jit" else None,
