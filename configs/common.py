@@ -39,6 +39,8 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.max_to_keep = 2
     config.best_metric = ""  # "" or an eval metric, e.g. "eval/accuracy"
     config.best_mode = "max"
+    config.profile_steps = ""  # "100:110": a jax.profiler trace of them in workdir/profile
+    config.peak_flops = 0.0  # FLOP/s per device for train/mfu; 0: chip table or CPU measured
     return config
 
 

@@ -20,14 +20,13 @@ import dataclasses
 import functools
 import re
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from attnjax.compile.targets import Target
 from attnjax.ops import autotune
-from attnjax.train import loop
+from attnjax.train import loop, performance
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -98,14 +97,6 @@ def _placed(tree, shardings):
     )
 
 
-def _traced_flops(function: Callable, args) -> float | None:
-    """XLA's FLOP count of ``function`` lowered for this host's CPU (unplaced, whole batch)."""
-    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-    with jax.default_device(jax.devices("cpu")[0]):
-        cost = jax.jit(function).lower(*bare).cost_analysis()
-    return float(cost["flops"]) if cost and "flops" in cost else None
-
-
 def _compiled_flops(compiled) -> float | None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
@@ -128,6 +119,7 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     hlo = compiled.as_text() or ""
+    traced = performance.lower_for_host(function, *args)
     return Program(
         name=name,
         examples=examples,
@@ -136,11 +128,11 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
-        flops=_traced_flops(function, args),
+        flops=performance.lowered_flops(traced),
         compiled_flops_per_device=_compiled_flops(compiled),
         collectives=dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo)).items())),
         kernel_calls=len(_KERNEL.findall(hlo)),
-        has_loops=" while(" in hlo,
+        has_loops="stablehlo.while" in traced.as_text(),
     )
 
 

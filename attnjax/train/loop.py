@@ -32,6 +32,7 @@ from attnjax.train import (
     checkpoint_integrity,
     nonfinite,
     parallel,
+    performance,
     preemption,
     report,
     sharding,
@@ -118,7 +119,8 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     model = task.create_model(config)
     datasets = _make_datasets(config, task)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    state = _create_train_state(config, task, model, datasets, dp, init_rng)
+    state, example = _create_train_state(config, task, model, datasets, dp, init_rng)
+    profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
 
     is_main = jax.process_index() == 0
     with contextlib.ExitStack() as stack:
@@ -134,6 +136,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         if dp.mode == "pmap":
             state = dp.place_state(state)
         train_step, eval_step = compile_steps(config, task, model, dp, state)
+        utilization = _utilization(config, task, model, dp, state, example)
         batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
         stack.callback(writer.close)
@@ -150,7 +153,10 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             writer,
             watch=nonfinite.NonfiniteWatch(config, start),
             bar=stack.enter_context(_progress_bar(config, start, enabled=is_main)),
+            utilization=utilization,
+            profile=profile,
         )
+        stack.callback(profile.stop)
         stop = stack.enter_context(preemption.StopRequest())
         # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
         # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
@@ -185,10 +191,26 @@ def _make_datasets(config, task) -> data.Datasets:
 
 
 def _create_train_state(config, task, model, datasets, dp, init_rng):
-    """The task's initial state; under jit already in the mesh layout restored checkpoints take."""
+    """``(state, example)``: the task's initial state (under jit already in the mesh layout
+    restored checkpoints take) and the host batch it was shaped from."""
     example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
-    return dp.place_state(state) if dp.mode == "jit" else state
+    return (dp.place_state(state) if dp.mode == "jit" else state), example
+
+
+def _utilization(config, task, model, dp, state, example) -> performance.Utilization:
+    """MFU's inputs: the train step's FLOPs on the global batch (jit mode; pmap's per-device
+    step is not traced here) and the devices' peak."""
+    if dp.mode != "jit":
+        return performance.Utilization(None, dp.mesh.devices.flat)
+    step = functools.partial(task.train_step, config=config, model=model, axis_name=None)
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] * jax.process_count(), *x.shape[1:]), x.dtype),
+        example,
+    )
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    flops = performance.traced_flops(step, state, batch, key)
+    return performance.Utilization(flops, list(dp.mesh.devices.flat), config)
 
 
 def _restore(ckpt, state, train_iter, workdir) -> tuple[int, Any]:
@@ -250,6 +272,8 @@ class _Run:
     writer: report.MetricWriter
     watch: nonfinite.NonfiniteWatch
     bar: tqdm.tqdm
+    utilization: performance.Utilization
+    profile: performance.ProfileWindow
 
 
 class _Throughput:
@@ -279,7 +303,9 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
     throughput = _Throughput(start, num_steps)
     for step in range(start + 1, num_steps + 1):
         batch, data_state = next(batches)
+        run.profile.before(step)
         state, metrics = run.train_step(state, batch, step_keys(step - 1))
+        run.profile.after(step, state)
         pending.append(metrics)
         run.bar.update(1)
         last = step == num_steps
@@ -312,6 +338,7 @@ def _log_train(run: _Run, step: int, pending: list, throughput: _Throughput) -> 
     scalars = {f"train/{k}": v for k, v in logged.items()}
     if throughput.steps:
         scalars["steps_per_sec"] = throughput.steps / throughput.seconds
+        scalars.update(run.utilization.scalars(scalars["steps_per_sec"]))
     if run.watch.mode == "skip":
         scalars["train/skipped_steps"] = run.watch.skipped
     run.writer.write(step, scalars)
