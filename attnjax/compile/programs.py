@@ -119,7 +119,8 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     hlo = compiled.as_text() or ""
-    traced = performance.lower_for_host(function, *args)
+    traced = performance.trace_for_host(function, *args)
+    lowered = traced.lower()
     return Program(
         name=name,
         examples=examples,
@@ -128,11 +129,11 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
-        flops=performance.lowered_flops(traced),
+        flops=performance.lowered_flops(lowered),
         compiled_flops_per_device=_compiled_flops(compiled),
         collectives=dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo)).items())),
         kernel_calls=len(_KERNEL.findall(hlo)),
-        has_loops="stablehlo.while" in traced.as_text(),
+        has_loops=performance.loops_products(traced.jaxpr),
     )
 
 

@@ -2,8 +2,9 @@
 
 Batches: ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
 Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.models.vit.create_vit``, ``variant``
-for a named variant), ``init_from`` (optional pretrained params, see ``load_pretrained``),
-``label_smoothing``, and the optimiser fields of ``attnjax.train.optim``.
+for a named variant), ``compute_dtype`` ("float32" or "bfloat16" activations), ``init_from``
+(optional pretrained params, see ``load_pretrained``), ``label_smoothing``, and the optimiser
+fields of ``attnjax.train.optim``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ VARIABLE_FIELDS = ()
 SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
 
 
+# config.compute_dtype -> the ViT's activation dtype; parameters, optimiser state, the loss and
+# LayerNorm statistics stay float32 (flax computes the statistics in float32).
+COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+
 TrainState = optim.TrainState
 
 
@@ -47,6 +52,14 @@ def create_model(config) -> nn.Module:
         )
     kwargs = config.model.to_dict()
     variant = kwargs.pop("variant", None) or None
+    dtype = config.get("compute_dtype", "float32")
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"config.compute_dtype={dtype!r} is not supported; expected one of "
+            f"{sorted(COMPUTE_DTYPES)}."
+        )
+    if COMPUTE_DTYPES[dtype] is not None:
+        kwargs.setdefault("dtype", COMPUTE_DTYPES[dtype])
     return MODELS[name](variant, **kwargs)
 
 

@@ -17,17 +17,50 @@ import os
 from typing import Callable
 
 import jax
+import jax.extend
 from absl import logging
 
 from attnjax.train import accelerators
 
 
-def lower_for_host(function: Callable, *args):
-    """``function`` jitted and lowered for the host CPU (``args`` may be arrays or
-    ``jax.ShapeDtypeStruct``s; their placement is dropped): a ``jax.stages.Lowered``."""
+def trace_for_host(function: Callable, *args):
+    """``function`` jitted and traced for the host CPU (``args`` may be arrays or
+    ``jax.ShapeDtypeStruct``s; their placement is dropped): a ``jax.stages.Traced``
+    (``.jaxpr``, ``.lower()``)."""
     bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
     with jax.default_device(jax.devices("cpu")[0]):
-        return jax.jit(function).lower(*bare)
+        return jax.jit(function).trace(*bare)
+
+
+def lower_for_host(function: Callable, *args):
+    """``trace_for_host(...).lower()``: a ``jax.stages.Lowered`` for the host CPU."""
+    traced = trace_for_host(function, *args)
+    with jax.default_device(jax.devices("cpu")[0]):
+        return traced.lower()
+
+
+def loops_products(jaxpr) -> bool:
+    """Whether a loop (``while``, ``scan``) of ``jaxpr`` runs matrix products or convolutions:
+    XLA counts a loop body's FLOPs once, so such a program's count is short. (Random bits are
+    loops too, without products.)"""
+
+    def has_products(inner) -> bool:
+        return any(
+            eqn.primitive.name in ("dot_general", "conv_general_dilated")
+            or any(has_products(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+            for eqn in inner.eqns
+        )
+
+    def walk(inner) -> bool:
+        for eqn in inner.eqns:
+            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+            if eqn.primitive.name in ("while", "scan") and any(has_products(s) for s in subs):
+                return True
+            if any(walk(sub) for sub in subs):
+                return True
+        return False
+
+    return walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
 
 
 def lowered_flops(lowered) -> float | None:
