@@ -92,7 +92,7 @@ def _verdict(record: dict, memory) -> str:
     if not record["fits"]:
         return "DOES NOT FIT"
     if memory and record["bytes_per_device"] > memory:
-        return "fits (XLA:TPU compiled it; the sum of its sizes overstates its peak)"
+        return "fits: XLA:TPU compiled it, though the sum of its sizes is over the HBM"
     return "fits"
 
 
