@@ -6,11 +6,13 @@ task's ``create_train_state``, batches from the task's ``abstract_batch``, and t
 and jitted steps from the training loop itself (``loop.make_data_parallel``,
 ``loop.compile_steps``), so what compiles here is what ``train.py`` would run.
 
-FLOPs: ``flops`` is XLA's count of the program as traced, lowered for this host's CPU before any
-optimisation (the whole global batch): the same count for every target, and it sees through the
-kernels a TPU or GPU program hides in custom calls. A ``while`` loop's body counts once, so the
-sampler's count is one token's. ``compiled_flops_per_device`` is the backend's own count of the
-optimised per-device program where it gives one (TPU; XLA:GPU gives none).
+FLOPs: ``flops`` counts the matrix products and convolutions of the program as traced (the whole
+global batch; ``attnjax.train.performance.product_flops``): model FLOPs, the same for every
+target, and it sees inside the kernels a TPU or GPU program hides in custom calls. A ``while``
+loop of unknown length (the sampler's) counts its body once. ``xla_flops`` is XLA's count of the
+traced program lowered for this host (elementwise work too; any loop's body once), and
+``compiled_flops_per_device`` the backend's count of the optimised per-device program where it
+gives one (TPU; XLA:GPU gives none).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Program:
     output_bytes: int
     alias_bytes: int  # outputs written into donated arguments: counted once
     temp_bytes: int
-    flops: float | None
+    flops: float
+    xla_flops: float | None
     compiled_flops_per_device: float | None
     collectives: dict
     kernel_calls: int
@@ -120,7 +123,9 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
     memory = compiled.memory_analysis()
     hlo = compiled.as_text() or ""
     traced = performance.trace_for_host(function, *args)
-    lowered = traced.lower()
+    flops, loops = performance.product_flops(traced.jaxpr)
+    with jax.default_device(jax.devices("cpu")[0]):
+        lowered = traced.lower()
     return Program(
         name=name,
         examples=examples,
@@ -129,11 +134,12 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
-        flops=performance.lowered_flops(lowered),
+        flops=flops,
+        xla_flops=performance.lowered_flops(lowered),
         compiled_flops_per_device=_compiled_flops(compiled),
         collectives=dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo)).items())),
         kernel_calls=len(_KERNEL.findall(hlo)),
-        has_loops=performance.loops_products(traced.jaxpr),
+        has_loops=loops,
     )
 
 

@@ -39,6 +39,7 @@ def program_summary(program: Program, target: Target, mesh: dict) -> dict:
         "fits": memory is None or target.platform == "tpu" or program.bytes_per_device <= memory,
         "flops_per_step": program.flops,
         "flops_per_example": program.flops / program.examples if program.flops else None,
+        "xla_flops_per_step": program.xla_flops,
         "compiled_flops_per_device": program.compiled_flops_per_device,
         "flops_loops_counted_once": program.has_loops,
         "kernel_calls": program.kernel_calls,
@@ -116,14 +117,16 @@ def format_text(result: dict) -> str:
             f"device{of}: {_verdict(r, memory)}"
         )
         flops = r["flops_per_step"]
-        loops = " (loop bodies counted once)" if r["flops_loops_counted_once"] else ""
+        loops = " (a loop's body counted once)" if r["flops_loops_counted_once"] else ""
         compiled = r["compiled_flops_per_device"]
+        xla = r["xla_flops_per_step"]
         kernels = f", {r['kernel_calls']} kernel calls" if r["kernel_calls"] else ""
         collectives = ", ".join(f"{k} {v}" for k, v in r["collectives"].items()) or "none"
         lines.append(
             f"         {_flop(flops / r['examples_per_step'])}/example, "
-            f"{_flop(flops)}/step{loops}"
-            + (f" (compiled: {_flop(compiled)}/device)" if compiled else "")
+            f"{_flop(flops)}/step in products{loops}"
+            + (f" (XLA: {_flop(xla)}/step" if xla else " (")
+            + (f", compiled {_flop(compiled)}/device)" if compiled else ")")
             + f"; collectives: {collectives}{kernels}"
             if flops
             else f"         FLOPs unknown; collectives: {collectives}{kernels}"

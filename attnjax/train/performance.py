@@ -1,9 +1,10 @@
 """How much of its devices a run uses: FLOPs per train step, model FLOPs utilisation (MFU), and
 profiler traces of chosen steps.
 
-FLOPs per step are XLA's count of the train step as traced (``traced_flops``: lowered for the
-host CPU before optimisation, the whole global batch), the same count ``attnjax.compile``
-reports, so a measured MFU and a predicted one divide the same numerator. The denominator is
+FLOPs per step are those of the train step's matrix products and convolutions, counted on its
+jaxpr (``product_flops``: the whole global batch, loops times their lengths, kernels times their
+grids), the model FLOPs MFU is defined by and the count ``attnjax.compile`` predicts with, so a
+measured MFU and a predicted one divide the same numerator. The denominator is
 the devices' peak (``attnjax.train.accelerators.peak_flops``): a chip's bf16 peak from its table,
 ``config.peak_flops`` when set, and on a CPU a float32 matrix product timed on this machine.
 
@@ -13,6 +14,7 @@ Python range) to ``<workdir>/profile``, for TensorBoard's profile plugin or Perf
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -32,46 +34,64 @@ def trace_for_host(function: Callable, *args):
         return jax.jit(function).trace(*bare)
 
 
-def lower_for_host(function: Callable, *args):
-    """``trace_for_host(...).lower()``: a ``jax.stages.Lowered`` for the host CPU."""
-    traced = trace_for_host(function, *args)
-    with jax.default_device(jax.devices("cpu")[0]):
-        return traced.lower()
-
-
-def loops_products(jaxpr) -> bool:
-    """Whether a loop (``while``, ``scan``) of ``jaxpr`` runs matrix products or convolutions:
-    XLA counts a loop body's FLOPs once, so such a program's count is short. (Random bits are
-    loops too, without products.)"""
-
-    def has_products(inner) -> bool:
-        return any(
-            eqn.primitive.name in ("dot_general", "conv_general_dilated")
-            or any(has_products(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-            for eqn in inner.eqns
-        )
-
-    def walk(inner) -> bool:
-        for eqn in inner.eqns:
-            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-            if eqn.primitive.name in ("while", "scan") and any(has_products(s) for s in subs):
-                return True
-            if any(walk(sub) for sub in subs):
-                return True
-        return False
-
-    return walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
-
-
 def lowered_flops(lowered) -> float | None:
+    """XLA's FLOP count of a ``jax.stages.Lowered`` (elementwise work too; a loop's body once)."""
     cost = lowered.cost_analysis()
     return float(cost["flops"]) if cost and cost.get("flops", 0) > 0 else None
 
 
-def traced_flops(function: Callable, *args) -> float | None:
-    """XLA's FLOP count of ``function(*args)`` lowered for the host CPU (``lower_for_host``);
-    None where XLA gives none. A ``while`` loop's body counts once."""
-    return lowered_flops(lower_for_host(function, *args))
+def traced_flops(function: Callable, *args) -> float:
+    """``product_flops`` of ``function(*args)`` traced for the host (``trace_for_host``)."""
+    return product_flops(trace_for_host(function, *args).jaxpr)[0]
+
+
+def _dot_flops(eqn) -> float:
+    """2 x every multiply-add of a ``dot_general``: the left operand's size times the right
+    operand's dimensions that are neither contracted nor batched."""
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+    free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
+    return 2.0 * math.prod(lhs) * math.prod(free)
+
+
+def _conv_flops(eqn) -> float:
+    """2 x output size x one output's multiply-adds (the kernel over its output-feature axis)."""
+    out = eqn.outvars[0].aval.shape
+    kernel = eqn.invars[1].aval.shape
+    out_features = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2.0 * math.prod(out) * math.prod(kernel) / out_features
+
+
+def product_flops(jaxpr) -> tuple[float, bool]:
+    """``(FLOPs, whether some were in a loop of unknown length)`` of the matrix products and
+    convolutions of ``jaxpr``: model FLOPs as MFU counts them. A ``scan`` counts its body times
+    its length, a Pallas kernel its body times its grid, a ``cond`` its costliest branch; a
+    ``while`` loop's body once (its trip count is a runtime value)."""
+    inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+    total, unknown = 0.0, False
+    for eqn in inner.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+            continue
+        if name == "conv_general_dilated":
+            total += _conv_flops(eqn)
+            continue
+        counts = [product_flops(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
+        if not counts:
+            continue
+        flops = [c[0] for c in counts]
+        unknown = unknown or any(c[1] for c in counts)
+        if name == "cond":
+            total += max(flops)
+        elif name == "scan":
+            total += eqn.params["length"] * sum(flops)
+        elif name == "pallas_call":
+            total += math.prod(eqn.params["grid_mapping"].grid) * sum(flops)
+        else:
+            total += sum(flops)
+            unknown = unknown or (name == "while" and sum(flops) > 0)
+    return total, unknown
 
 
 def peak_of(devices, config=None) -> tuple[float, str]:

@@ -26,13 +26,17 @@ def vit_config(**overrides):
     return config
 
 
-def vit_forward_flops(image=IMAGE, patch=PATCH, channels=1) -> float:
-    """Multiply-adds x 2 of one image through the ViT: patch embedding, per block the q/k/v and
-    output projections, the two attention products and the MLP, and the head."""
+def vit_train_flops(image=IMAGE, patch=PATCH, channels=1) -> float:
+    """Multiply-adds x 2 of one image through the ViT's training step: forward, and in the
+    backward the two products of each forward one (weight and input gradients), except the
+    patch embedding's input gradient (the images are not differentiated). Forward: patch
+    embedding, per block the q/k/v and output projections, the two attention products and the
+    MLP, and the head."""
     tokens = (image // patch) ** 2 + 1  # + the class token
     embed = (image // patch) ** 2 * patch * patch * channels * WIDTH
     block = tokens * (4 * WIDTH * WIDTH + 2 * WIDTH * MLP) + 2 * tokens * tokens * WIDTH
-    return 2.0 * (embed + DEPTH * block + WIDTH * CLASSES)
+    forward = embed + DEPTH * block + WIDTH * CLASSES
+    return 2.0 * (3 * forward - embed)
 
 
 def state_bytes(config) -> int:
@@ -60,11 +64,11 @@ def test_tpu_train_step_holds_the_state_and_counts_the_model_flops(v5e_2x2):
     expected_arguments = state_bytes(config) + batch_bytes + 8
     assert expected_arguments <= train.argument_bytes <= 1.05 * expected_arguments
     assert train.alias_bytes >= 0.98 * state_bytes(config)
-    # Training is three passes of the forward's FLOPs (forward, and the two products of each
-    # backward); XLA counts the elementwise work and the optimiser too.
-    analytic = 3 * BATCH * vit_forward_flops()
-    assert analytic <= train.flops <= 1.12 * analytic
-    assert train.compiled_flops_per_device * 4 == pytest.approx(train.flops, rel=0.15)
+    assert train.flops == BATCH * vit_train_flops()
+    # XLA counts elementwise work and the optimiser too, a few percent at this width; the
+    # compiled program splits the batch over 4 devices.
+    assert train.flops < train.xla_flops < 1.12 * train.flops
+    assert train.compiled_flops_per_device * 4 == pytest.approx(train.xla_flops, rel=0.1)
     assert train.collectives.get("all-reduce", 0) >= 1  # the gradients' mean over the batch
     assert "all-gather" not in train.collectives
 
@@ -74,8 +78,10 @@ def test_tpu_fsdp_splits_the_state_over_devices(v5e_2x2):
     _, (train,) = programs.compile_programs(
         config, tasks.get_task("classification"), v5e_2x2, only=("train",)
     )
-    # Every array split four ways except scalars and the 10-class head bias (whole).
-    assert train.argument_bytes == pytest.approx(state_bytes(config) / 4, rel=0.05)
+    # Every array split four ways except scalars and the 10-class head bias (whole); a quarter
+    # of a bias or a norm scale ([32]) fills a whole TPU tile of 128 lanes.
+    quarter = state_bytes(config) / 4
+    assert quarter <= train.argument_bytes <= 1.25 * quarter
     assert {"all-gather", "reduce-scatter"} <= set(train.collectives) or {
         "all-gather",
         "all-reduce",
@@ -129,8 +135,7 @@ def test_gpu_train_step_compiles_for_eight_h100s():
     )
     batch_bytes = BATCH * (IMAGE * IMAGE * 4 + 4) // 8
     assert train.argument_bytes == pytest.approx(state_bytes(config) + batch_bytes + 8, rel=0.02)
-    analytic = 3 * BATCH * vit_forward_flops()
-    assert analytic <= train.flops <= 1.12 * analytic
+    assert train.flops == BATCH * vit_train_flops()
     assert train.compiled_flops_per_device is None  # XLA:GPU has no cost analysis
     assert train.collectives.get("all-reduce", 0) >= 1
     assert np.isfinite(train.compile_seconds)
