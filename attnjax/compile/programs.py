@@ -36,8 +36,12 @@ _COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _KERNEL = re.compile(
     r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|__cudnn\$[^"]*)"'
 )
-# XLA:TPU's refusal: "... Used 37.29G of 15.75G hbm. Exceeded hbm capacity by 21.54G."
-_HBM_USED = re.compile(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm")
+# XLA:TPU's refusals: "... Used 37.29G of 15.75G hbm. ..." or "... (37.29G) exceeds available
+# HBM (15.75G)": what the program needs, what the chip has.
+_HBM_USED = re.compile(
+    r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm|\(([\d.]+[KMGT]?)\) exceeds available HBM "
+    r"\(([\d.]+[KMGT]?)\)"
+)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -110,15 +114,21 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
     """Lowers ``jitted`` for ``args`` (placed ``ShapeDtypeStruct``s) on ``target`` and compiles
     it; ``function`` is the same computation unjitted, for the traced FLOP count."""
     start = time.perf_counter()
+    # A compile-only executable cannot be loaded back: the persistent cache would only fill up.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", target.platform == "cpu" and cached)
     try:
         compiled = jitted.lower(*args).compile(target.compiler_options or None)
     except Exception as error:  # XLA's errors are runtime errors of several types
         text = str(error)
         if "Ran out of memory" not in text and "RESOURCE_EXHAUSTED" not in text:
             raise
-        used = _HBM_USED.search(text)
-        needed, available = (_bytes(used[1]), _bytes(used[2])) if used else (None, None)
+        match = _HBM_USED.search(text)
+        used = [group for group in match.groups() if group] if match else []
+        needed, available = (_bytes(used[0]), _bytes(used[1])) if used else (None, None)
         raise DoesNotFit(name, needed, available, text.strip().splitlines()[0]) from None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     hlo = compiled.as_text() or ""
