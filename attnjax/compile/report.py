@@ -33,10 +33,9 @@ def program_summary(program: Program, target: Target, mesh: dict) -> dict:
         "alias_bytes": program.alias_bytes,
         "temp_bytes": program.temp_bytes,
         "bytes_per_device": program.bytes_per_device,
-        # XLA:TPU refuses a program its own accounting puts over the chip's memory
-        # (``DoesNotFit``), so one it compiled fits even where the sum of its sizes is larger;
-        # XLA:GPU refuses nothing, the sum decides.
-        "fits": memory is None or target.platform == "tpu" or program.bytes_per_device <= memory,
+        # Compile-only XLA:TPU and XLA:GPU both compiled programs far over their chip's memory
+        # (24 GiB of arguments on a 16 GiB v5e): the sum of the sizes decides.
+        "fits": memory is None or program.bytes_per_device <= memory,
         "flops_per_step": program.flops,
         "flops_per_example": program.flops / program.examples if program.flops else None,
         "xla_flops_per_step": program.xla_flops,
@@ -89,14 +88,6 @@ def _rate(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def _verdict(record: dict, memory) -> str:
-    if not record["fits"]:
-        return "DOES NOT FIT"
-    if memory and record["bytes_per_device"] > memory:
-        return "fits: XLA:TPU compiled it, though the sum of its sizes is over the HBM"
-    return "fits"
-
-
 def format_text(result: dict) -> str:
     """The printed report: a header line and three lines per program."""
     memory = result["device_memory_bytes"]
@@ -114,7 +105,7 @@ def format_text(result: dict) -> str:
             f"  {name:<6} batch {r['examples_per_step']}: {_gib(r['argument_bytes'])} arguments + "
             f"{_gib(r['output_bytes'])} outputs - {_gib(r['alias_bytes'])} donated + "
             f"{_gib(r['temp_bytes'])} temporaries = {_gib(r['bytes_per_device'])} GiB per "
-            f"device{of}: {_verdict(r, memory)}"
+            f"device{of}: {'fits' if r['fits'] else 'DOES NOT FIT'}"
         )
         flops = r["flops_per_step"]
         loops = " (a loop's body counted once)" if r["flops_loops_counted_once"] else ""

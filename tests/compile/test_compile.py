@@ -22,7 +22,7 @@ BATCH = 64
 def vit_config(**overrides):
     config = load_config("vit_digits")
     config.model.update(width=WIDTH, depth=DEPTH, mlp_dim=MLP, num_heads=HEADS)
-    config.update(batch_size=BATCH, eval_batch_size=BATCH, **overrides)
+    config.update({"batch_size": BATCH, "eval_batch_size": BATCH, **overrides})
     return config
 
 
@@ -75,32 +75,29 @@ def test_tpu_train_step_holds_the_state_and_counts_the_model_flops(v5e_2x2):
 
 def test_tpu_fsdp_splits_the_state_over_devices(v5e_2x2):
     config = vit_config(mesh={"data": 1, "fsdp": 4})
+    config.model.depth = 1  # the layout is the point here; one block compiles faster
     _, (train,) = programs.compile_programs(
         config, tasks.get_task("classification"), v5e_2x2, only=("train",)
     )
     # Every array split four ways except scalars and the 10-class head bias (whole); a quarter
     # of a bias or a norm scale ([32]) fills a whole TPU tile of 128 lanes.
     quarter = state_bytes(config) / 4
-    assert quarter <= train.argument_bytes <= 1.25 * quarter
-    assert {"all-gather", "reduce-scatter"} <= set(train.collectives) or {
-        "all-gather",
-        "all-reduce",
-    } <= set(train.collectives)
+    assert quarter <= train.argument_bytes <= 1.4 * quarter
+    assert "all-gather" in train.collectives  # each weight gathered before its layer
 
 
-def test_a_state_larger_than_the_chip_is_refused_in_one_line(capsys):
-    # MLP kernels of 1024 x 262144 floats: 2 GiB each, 2 blocks x 2 = 8 GiB of parameters,
-    # 24 GiB with Adam's two moments, on a 16 GiB v5e.
-    config = vit_config(batch_size=8, eval_batch_size=8)
-    config.model.update(width=1024, depth=2, mlp_dim=262144, num_heads=4)
+def test_a_batch_larger_than_the_chip_is_refused_in_one_line(capsys):
+    # 2^17 images: the activations kept for the backward pass alone take tens of GiB.
+    config = vit_config(batch_size=2**17, eval_batch_size=64)
     status = attnjax.compile.run(config, "tpu:v5e:1x1", config_name="vit_digits")
     err = capsys.readouterr().err.strip().splitlines()
     assert status == attnjax.compile.EXIT_DOES_NOT_FIT
     assert len(err) == 1, err
-    assert "the train step at config.batch_size=8 needs" in err[0]
+    assert "the train step at config.batch_size=131072 needs" in err[0]
     needed = float(err[0].split(" needs ")[1].split(" GiB")[0])
-    assert needed > 3 * 8  # at least parameters and both moments
-    assert "tpu:v5e:1x1 has 1" in err[0] and "config.mesh.fsdp" in err[0]
+    # At least the batch itself, [2^17, 16, 16, 1] float32, and the state.
+    assert needed > 2**17 * IMAGE * IMAGE * 4 / 2**30
+    assert "tpu:v5e:1x1 has 16.00 GiB" in err[0] and "config.mesh.fsdp" in err[0]
 
 
 @pytest.mark.parametrize(
