@@ -114,9 +114,6 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
     """Lowers ``jitted`` for ``args`` (placed ``ShapeDtypeStruct``s) on ``target`` and compiles
     it; ``function`` is the same computation unjitted, for the traced FLOP count."""
     start = time.perf_counter()
-    # A compile-only executable cannot be loaded back: the persistent cache would only fill up.
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", target.platform == "cpu" and cached)
     try:
         compiled = jitted.lower(*args).compile(target.compiler_options or None)
     except Exception as error:  # XLA's errors are runtime errors of several types
@@ -127,8 +124,6 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
         used = [group for group in match.groups() if group] if match else []
         needed, available = (_bytes(used[0]), _bytes(used[1])) if used else (None, None)
         raise DoesNotFit(name, needed, available, text.strip().splitlines()[0]) from None
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     hlo = compiled.as_text() or ""

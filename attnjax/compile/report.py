@@ -33,8 +33,8 @@ def program_summary(program: Program, target: Target, mesh: dict) -> dict:
         "alias_bytes": program.alias_bytes,
         "temp_bytes": program.temp_bytes,
         "bytes_per_device": program.bytes_per_device,
-        # Compile-only XLA:TPU and XLA:GPU both compiled programs far over their chip's memory
-        # (24 GiB of arguments on a 16 GiB v5e): the sum of the sizes decides.
+        # XLA:TPU refuses temporaries over its HBM (``DoesNotFit``) but compiled 24 GiB of
+        # arguments for a 16 GiB v5e, and XLA:GPU refuses nothing: the sum of the sizes decides.
         "fits": memory is None or program.bytes_per_device <= memory,
         "flops_per_step": program.flops,
         "flops_per_example": program.flops / program.examples if program.flops else None,

@@ -97,7 +97,8 @@ def test_a_batch_larger_than_the_chip_is_refused_in_one_line(capsys):
     needed = float(err[0].split(" needs ")[1].split(" GiB")[0])
     # At least the batch itself, [2^17, 16, 16, 1] float32, and the state.
     assert needed > 2**17 * IMAGE * IMAGE * 4 / 2**30
-    assert "tpu:v5e:1x1 has 16.00 GiB" in err[0] and "config.mesh.fsdp" in err[0]
+    # XLA:TPU's own refusal: the HBM it can use, a little under the chip's 16 GiB.
+    assert "tpu:v5e:1x1 has 15.75 GiB" in err[0] and "config.mesh.fsdp" in err[0]
 
 
 @pytest.mark.parametrize(
