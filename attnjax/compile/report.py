@@ -48,16 +48,34 @@ def program_summary(program: Program, target: Target, mesh: dict) -> dict:
         "examples_per_second_at_40pct_mfu": None,
     }
     if program.flops and not program.has_loops:
-        at_peak = program.examples * peak * devices / program.flops
-        record["examples_per_second_at_peak"] = at_peak
-        record["examples_per_second_at_40pct_mfu"] = at_peak * GOOD_MFU
+        _predict(record, program.flops / program.examples, peak * devices)
     return record
+
+
+def _predict(record: dict, flops_per_example: float, peak: float) -> None:
+    record["examples_per_second_at_peak"] = peak / flops_per_example
+    record["examples_per_second_at_40pct_mfu"] = GOOD_MFU * peak / flops_per_example
+
+
+def _estimate_train_from_eval(records: dict, peak: float) -> None:
+    """A train step whose count misses loop trips (a kernel's loops of traced length) is
+    predicted from the eval step's forward instead: training does three times a forward's
+    products (the forward, and each product's two gradients), the rule behind 6 x parameters
+    x tokens."""
+    train, evaluation = records.get("train"), records.get("eval")
+    if not (train and evaluation and train["flops_loops_counted_once"]):
+        return
+    if evaluation["flops_loops_counted_once"] or not evaluation["flops_per_example"]:
+        return
+    train["flops_per_example_estimate"] = 3 * evaluation["flops_per_example"]
+    _predict(train, train["flops_per_example_estimate"], peak)
 
 
 def summary(config_name: str, target: Target, mesh: dict, programs: list[Program]) -> dict:
     """The command's JSON: the target, the mesh and a record per program."""
     peak, peak_source = peak_per_device(target)
     records = {p.name: program_summary(p, target, mesh) for p in programs}
+    _estimate_train_from_eval(records, peak * len(target.devices))
     return {
         "config": config_name,
         "target": target.name,
@@ -122,6 +140,11 @@ def format_text(result: dict) -> str:
             if flops
             else f"         FLOPs unknown; collectives: {collectives}{kernels}"
         )
+        estimate = r.get("flops_per_example_estimate")
+        if estimate:
+            lines.append(
+                f"         estimated {_flop(estimate)}/example: 3 x the eval step's forward"
+            )
         lines.append(
             f"         compiled in {r['compile_seconds']:.1f} s; predicted "
             f"{_rate(r['examples_per_second_at_peak'])} examples/s at peak, "
