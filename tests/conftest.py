@@ -2,6 +2,7 @@
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,7 +30,9 @@ import pytest
 from attnjax.convert.common import make_torchvision_importable
 
 # timm and lpips import torchvision, whose PyPI build links CUDA libraries the CPU torch lacks.
-make_torchvision_importable()
+# An environment without torch (the CUDA plugin's, for the tests marked cuda) skips it.
+if importlib.util.find_spec("torch") is not None:
+    make_torchvision_importable()
 
 
 @contextlib.contextmanager

@@ -172,14 +172,15 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
 
 def abstract_batch(config, batch_size: int) -> dict:
     """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``)."""
-    size = config.model.get("image_size") or config.data.get("image_size")
+    model = create_model(config)  # its variant may fix the image size
+    size = config.data.get("image_size") or model.image_size
     if not size:
         raise ValueError(
             "config.model.image_size and config.data.image_size are unset (native size); "
             "set one to compile without the data."
         )
     height, width = (size, size) if isinstance(size, int) else tuple(size)
-    channels = config.model.get("in_channels", 3)
+    channels = model.in_channels
     return {
         "image": jax.ShapeDtypeStruct((batch_size, height, width, channels), jnp.float32),
         "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
