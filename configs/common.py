@@ -149,6 +149,7 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
     config.weight_decay = 0.01  # minGPT / Net2NetTransformer
     config.b2 = 0.95
     config.ema_decay = 0.0  # >0: evaluate an EMA of the parameters
+    config.compute_dtype = "float32"  # or "bfloat16" activations; parameters stay float32
     config.grad_clip_norm = 1.0
     config.best_mode = "min"
     return config

@@ -25,7 +25,7 @@ from absl import logging
 from attnjax import data
 from attnjax.models import vit
 from attnjax.ops import positional
-from attnjax.train import checkpoint, optim, sharding
+from attnjax.train import checkpoint, optim, precision, sharding
 
 MODELS = {"vit": vit.create_vit}
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
@@ -35,10 +35,6 @@ VARIABLE_FIELDS = ()
 # Every array split over the fsdp axis, scalars and the class-count head bias whole.
 SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
 
-
-# config.compute_dtype -> the ViT's activation dtype; parameters, optimiser state, the loss and
-# LayerNorm statistics stay float32 (flax computes the statistics in float32).
-COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 TrainState = optim.TrainState
 
@@ -52,14 +48,8 @@ def create_model(config) -> nn.Module:
         )
     kwargs = config.model.to_dict()
     variant = kwargs.pop("variant", None) or None
-    dtype = config.get("compute_dtype", "float32")
-    if dtype not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"config.compute_dtype={dtype!r} is not supported; expected one of "
-            f"{sorted(COMPUTE_DTYPES)}."
-        )
-    if COMPUTE_DTYPES[dtype] is not None:
-        kwargs.setdefault("dtype", COMPUTE_DTYPES[dtype])
+    if precision.compute_dtype(config) is not None:
+        kwargs.setdefault("dtype", precision.compute_dtype(config))
     return MODELS[name](variant, **kwargs)
 
 

@@ -43,7 +43,7 @@ from attnjax.tasks.vqgan_codes import TrainedVQGAN as TrainedVQGAN
 from attnjax.tasks.vqgan_codes import encode_split, load_vqgan
 from attnjax.tasks.vqgan_codes import first_codes as first_codes
 from attnjax.tasks.vqgan_codes import load_images as load_images
-from attnjax.train import optim, sharding
+from attnjax.train import optim, precision, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model_name", "model")
@@ -87,6 +87,7 @@ def create_model(config) -> gpt.GPT:
     return gpt.GPT(
         vocab_size=gpt.vocab_size(n_embed, config.num_classes, trained_with_null_class(config)),
         block_size=height * width,
+        dtype=precision.compute_dtype(config),
         **config.model.to_dict(),
     )
 
