@@ -114,7 +114,7 @@ def format_text(result: dict) -> str:
         f"{result['config']} on {result['target']}: {result['devices']} x "
         f"{result['device_kind'] or 'cpu'}"
         + (f", {_gib(memory)} GiB each" if memory else "")
-        + f", peak {result['peak_flops_per_device'] / 1e12:.1f} TFLOP/s each "
+        + f", peak {_flop(result['peak_flops_per_device'])}/s each "
         f"({result['peak_source']}); mesh {mesh}"
     ]
     for name, r in result["programs"].items():
