@@ -15,7 +15,7 @@ from attnjax.train import accelerators
 
 # A ViT big enough that its matrix products dominate XLA's FLOP count (elementwise work, the
 # optimiser and the loss add a few percent), small enough to compile in seconds.
-WIDTH, DEPTH, MLP, HEADS, IMAGE, PATCH, CLASSES = 128, 2, 512, 4, 16, 4, 10
+WIDTH, DEPTH, MLP, HEADS, IMAGE, PATCH, CLASSES = 128, 1, 512, 4, 16, 4, 10
 BATCH = 64
 
 
@@ -59,10 +59,11 @@ def test_tpu_train_step_holds_the_state_and_counts_the_model_flops(v5e_2x2):
     assert mesh == {"data": 4, "fsdp": 1}
     # Data parallel: every device holds the whole state (donated, so written in place) and a
     # quarter of the batch (images float32 [16, 16, 16, 1] and labels) and the key; TPU layouts
-    # pad small arrays to whole tiles (the head's [128, 10] kernel to [128, 128]).
+    # pad small arrays to whole tiles (the head's [128, 10] kernel and its moments to
+    # [128, 128]: 180 kB of this 2.5 MB state).
     batch_bytes = BATCH * (IMAGE * IMAGE * 4 + 4) // 4
     expected_arguments = state_bytes(config) + batch_bytes + 8
-    assert expected_arguments <= train.argument_bytes <= 1.05 * expected_arguments
+    assert expected_arguments <= train.argument_bytes <= 1.08 * expected_arguments
     assert train.alias_bytes >= 0.98 * state_bytes(config)
     assert train.flops == BATCH * vit_train_flops()
     # XLA counts elementwise work and the optimiser too, a few percent at this width; the
@@ -75,7 +76,6 @@ def test_tpu_train_step_holds_the_state_and_counts_the_model_flops(v5e_2x2):
 
 def test_tpu_fsdp_splits_the_state_over_devices(v5e_2x2):
     config = vit_config(mesh={"data": 1, "fsdp": 4})
-    config.model.depth = 1  # the layout is the point here; one block compiles faster
     _, (train,) = programs.compile_programs(
         config, tasks.get_task("classification"), v5e_2x2, only=("train",)
     )
