@@ -2,12 +2,13 @@
 
     python benchmarks/accelerator_table.py benchmarks/results/compile/*.json
 
-One row per program of each file: config, target, batch, GiB per device against the chip's,
-fits, GFLOP per example (matrix products), predicted examples/s at peak and at 40% MFU, the
-collectives and the compile time. Refused programs get one row with the refusal.
+One row per program of each file (the run: the file's name), its target, batch, GiB per device
+against the chip's, fits, GFLOP per example (matrix products), predicted examples/s at peak and
+at 40% MFU, the collectives and the compile time. Refused programs get one row with the refusal.
 """
 
 import json
+import os
 import sys
 
 GIB = float(1 << 30)
@@ -17,8 +18,8 @@ def _rate(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def rows(result: dict) -> list[str]:
-    config = result["config"].rsplit("/", 1)[-1]
+def rows(result: dict, run: str) -> list[str]:
+    config = run
     memory = result.get("device_memory_bytes")
     if "programs" not in result:
         return [f"| {config} | {result['target']} | | | refused | {result['refused']} | | | |"]
@@ -42,13 +43,13 @@ def rows(result: dict) -> list[str]:
 
 def main(paths) -> None:
     print(
-        "| config | target | program, batch | GiB per device / chip | fits | GFLOP per example "
+        "| run | target | program, batch | GiB per device / chip | fits | GFLOP per example "
         "| examples/s at peak | at 40% MFU | collectives | compile s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         with open(path) as f:
-            print("\n".join(rows(json.load(f))))
+            print("\n".join(rows(json.load(f), os.path.basename(path).removesuffix(".json"))))
 
 
 if __name__ == "__main__":
