@@ -119,7 +119,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     model = task.create_model(config)
     datasets = _make_datasets(config, task)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    state, example = _create_train_state(config, task, model, datasets, dp, init_rng)
+    state = _create_train_state(config, task, model, datasets, dp, init_rng)
     profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
 
     is_main = jax.process_index() == 0
@@ -136,7 +136,6 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         if dp.mode == "pmap":
             state = dp.place_state(state)
         train_step, eval_step = compile_steps(config, task, model, dp, state)
-        utilization = _utilization(config, task, model, dp, state, example)
         batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
         stack.callback(writer.close)
@@ -153,7 +152,8 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             writer,
             watch=nonfinite.NonfiniteWatch(config, start),
             bar=stack.enter_context(_progress_bar(config, start, enabled=is_main)),
-            utilization=utilization,
+            # pmap's per-device step is not counted: no MFU there.
+            utilization=performance.Utilization(dp.mesh.devices.flat, config),
             profile=profile,
         )
         stack.callback(profile.stop)
@@ -191,26 +191,10 @@ def _make_datasets(config, task) -> data.Datasets:
 
 
 def _create_train_state(config, task, model, datasets, dp, init_rng):
-    """``(state, example)``: the task's initial state (under jit already in the mesh layout
-    restored checkpoints take) and the host batch it was shaped from."""
+    """The task's initial state; under jit already in the mesh layout restored checkpoints take."""
     example = next(data.make_iterator(datasets.train, config.get("data")))
     state = task.create_train_state(init_rng, config, model, example)
-    return (dp.place_state(state) if dp.mode == "jit" else state), example
-
-
-def _utilization(config, task, model, dp, state, example) -> performance.Utilization:
-    """MFU's inputs: the train step's FLOPs on the global batch (jit mode; pmap's per-device
-    step is not traced here) and the devices' peak."""
-    if dp.mode != "jit":
-        return performance.Utilization(None, dp.mesh.devices.flat)
-    step = functools.partial(task.train_step, config=config, model=model, axis_name=None)
-    batch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[0] * jax.process_count(), *x.shape[1:]), x.dtype),
-        example,
-    )
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    flops = performance.traced_flops(step, state, batch, key)
-    return performance.Utilization(flops, list(dp.mesh.devices.flat), config)
+    return dp.place_state(state) if dp.mode == "jit" else state
 
 
 def _restore(ckpt, state, train_iter, workdir) -> tuple[int, Any]:
@@ -310,6 +294,8 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
         run.bar.update(1)
         last = step == num_steps
         if step % config.log_every == 0 or last:
+            if run.dp.mode == "jit":  # the step's FLOPs, for MFU: the shapes it just ran on
+                run.utilization.count(run.train_step, state, batch, step_keys(step - 1))
             result.update(_log_train(run, step, pending, throughput))
             pending = []
         if step % config.eval_every == 0 or last:

@@ -104,25 +104,38 @@ def peak_of(devices, config=None) -> tuple[float, str]:
 
 
 class Utilization:
-    """``train/tflops_per_device`` and ``train/mfu`` from the steps per second at a log."""
+    """``train/tflops_per_device`` and ``train/mfu`` from the steps per second at a log.
 
-    def __init__(self, flops_per_step: float | None, devices, config=None):
-        self.flops_per_step, self.devices = flops_per_step, len(devices)
-        self.peak, self.source = peak_of(devices, config) if flops_per_step else (None, "")
+    The FLOPs per step come from ``count`` (the jitted train step traced again for arguments of
+    the shapes it ran on: a hit in jit's trace cache, milliseconds) or are given."""
+
+    def __init__(self, devices, config=None, flops_per_step: float | None = None):
+        self.devices, self.config = list(devices), config
+        self.flops_per_step, self.peak, self.source = None, None, ""
         if flops_per_step:
-            logging.info(
-                "MFU: %.3g FLOP per step against %.3g FLOP/s (%s)",
-                flops_per_step,
-                self.peak,
-                self.source,
-            )
+            self._set(flops_per_step)
+
+    def _set(self, flops_per_step: float) -> None:
+        self.flops_per_step = flops_per_step
+        self.peak, self.source = peak_of(self.devices, self.config)
+        logging.info(
+            "MFU: %.3g FLOP per step against %.3g FLOP/s (%s)",
+            flops_per_step,
+            self.peak,
+            self.source,
+        )
+
+    def count(self, jitted_step, *args) -> None:
+        """Counts the products of ``jitted_step(*args)`` (``jax.jit``-ed; once)."""
+        if self.flops_per_step is None and hasattr(jitted_step, "trace"):
+            self._set(product_flops(jitted_step.trace(*args).jaxpr)[0])
 
     def scalars(self, steps_per_sec: float) -> dict:
         if not self.flops_per_step:
             return {}
         rate = self.flops_per_step * steps_per_sec
         return {
-            "train/tflops_per_device": rate / self.devices / 1e12,
+            "train/tflops_per_device": rate / len(self.devices) / 1e12,
             "train/mfu": rate / self.peak,
         }
 

@@ -18,11 +18,21 @@ def test_traced_flops_count_a_matrix_product():
 def test_mfu_divides_the_step_rate_by_the_peak_it_names():
     config = ml_collections.ConfigDict({"peak_flops": 1e12})
     devices = jax.devices("cpu")[:1]
-    utilization = performance.Utilization(2e11, devices, config)
+    utilization = performance.Utilization(devices, config, flops_per_step=2e11)
     assert utilization.source == "1 x config.peak_flops"
     scalars = utilization.scalars(steps_per_sec=2.0)
     assert scalars == pytest.approx({"train/tflops_per_device": 0.4, "train/mfu": 0.4})
-    assert performance.Utilization(None, devices, config).scalars(2.0) == {}
+    assert performance.Utilization(devices, config).scalars(2.0) == {}
+
+
+def test_a_jitted_step_is_counted_once_from_its_trace():
+    utilization = performance.Utilization(jax.devices("cpu")[:1])
+    step = jax.jit(lambda x, w: jnp.tanh(x @ w))
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+    utilization.count(step, x, w)
+    assert utilization.flops_per_step == 2 * 8 * 16 * 4
+    utilization.count(step, jnp.ones((80, 16)), w)  # counted already: kept
+    assert utilization.flops_per_step == 2 * 8 * 16 * 4
 
 
 def test_a_cpu_peak_is_a_measured_matrix_product():
