@@ -34,7 +34,7 @@ test: $(VENV)/.installed-dev
 # libraries: its own environment, and only the test files that hold `cuda`-marked tests (the
 # others import torch, which this environment does not have).
 VENV_GPU   := .venv-gpu
-CUDA_TESTS := tests/ops/test_kernel_choice_cuda.py
+CUDA_TESTS := tests/ops/test_kernel_choice_cuda.py tests/compile/test_compile.py
 
 $(VENV_GPU)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_GPU)

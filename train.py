@@ -3,6 +3,10 @@
     python train.py --config configs/vit_digits.py --workdir runs/digits
     python train.py --config configs/vit_cifar10.py --workdir runs/cifar --config.batch_size=256
 
+``--compile_only=tpu:v5e:2x4`` (or ``gpu:h100:8``, ``cpu``) trains nothing: it compiles the
+config's programs for that target and reports memory, FLOPs and predicted throughput
+(``python -m attnjax.compile``, same exit status).
+
 Rerunning the same command resumes from the workdir's latest checkpoint. The loop itself is
 ``attnjax.tasks.train_and_evaluate`` (callable from Python).
 
@@ -16,6 +20,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from attnjax.compile import run as compile_only
 from attnjax.tasks import train_and_evaluate
 from attnjax.train import parallel, preemption
 
@@ -24,11 +29,21 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and plots.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On failure, print the traceback too.")
+_COMPILE_ONLY = flags.DEFINE_string(
+    "compile_only",
+    None,
+    "Compile for this target (tpu:v5e:2x4, gpu:h100:8, cpu) and report memory and FLOPs instead "
+    "of training: python -m attnjax.compile.",
+)
 
 
 def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _config_name() -> str:
+    return config_flags.get_config_filename(flags.FLAGS["config"])
 
 
 def main(argv):
@@ -38,6 +53,13 @@ def main(argv):
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
+    if _COMPILE_ONLY.value:
+        try:
+            status = compile_only(config, _COMPILE_ONLY.value, config_name=_config_name())
+        except ValueError as error:
+            print(f"train.py: error: {_one_line(error)}", file=sys.stderr)
+            status = 1
+        sys.exit(status)
     try:
         parallel.use_cpu_cores(config)
         metrics = train_and_evaluate(config, _WORKDIR.value)
@@ -59,5 +81,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.mark_flag_as_required("workdir")
+    flags.register_multi_flags_validator(
+        ["workdir", "compile_only"],
+        lambda values: values["workdir"] is not None or bool(values["compile_only"]),
+        "--workdir is required (except with --compile_only)",
+    )
     app.run(main)

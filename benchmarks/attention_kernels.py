@@ -29,7 +29,6 @@ import re
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The CPU column is the fixed rule, the same on every machine; with the timing on, the CPU paths
 # between 64 and 1023 tokens would be whichever this machine ran fastest.
 os.environ.setdefault("ATTNJAX_CPU_AUTOTUNE", "0")
@@ -80,17 +79,9 @@ def main():
     cuda_plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     device = None
     if args.compile_tpu:
-        from jax.experimental import topologies
+        from attnjax.compile import targets
 
-        bounds = (1, 1, 1) if args.compile_tpu.endswith("1x1") else (2, 2, 1)
-        device = topologies.get_topology_desc(
-            platform="tpu",
-            topology_name=args.compile_tpu,
-            chip_config_name="default",
-            chips_per_host_bounds=bounds,
-            num_slices=1,
-            wrap=(False,) * 3,
-        ).devices[0]
+        device = targets.parse(f"tpu:{args.compile_tpu}").devices[0]
     rows = []
     for name, batch, length, heads, depth, causal in SHAPES:
         for dtype in (jnp.bfloat16, jnp.float32):

@@ -39,6 +39,8 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.max_to_keep = 2
     config.best_metric = ""  # "" or an eval metric, e.g. "eval/accuracy"
     config.best_mode = "max"
+    config.profile_steps = ""  # "100:110": a jax.profiler trace of them in workdir/profile
+    config.peak_flops = 0.0  # FLOP/s per device for train/mfu; 0: chip table or CPU measured
     return config
 
 
@@ -84,6 +86,7 @@ def classification(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     config.grad_clip_norm = 1.0
     config.label_smoothing = 0.1
     config.ema_decay = 0.0  # >0: evaluate an EMA of the parameters
+    config.compute_dtype = "float32"  # or "bfloat16" activations; parameters stay float32
     config.best_metric = "eval/accuracy"
     return config
 
@@ -137,6 +140,9 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
     config.vqgan_workdir = vqgan_workdir  # a trained `vqgan` run; its data settings are used
     config.vqgan_step = None  # None: its latest checkpoint
     config.codes_cache_dir = ""  # "" -> <vqgan_workdir>/codes
+    # The VQGAN's codebook size and token grid, read only where vqgan_workdir holds no
+    # checkpoints: python -m attnjax.compile sizes a prior before its VQGAN is trained.
+    config.vqgan_codes = ml_collections.ConfigDict(dict(n_embed=0, grid=(0, 0)))
     config.num_classes = 10  # 0: unconditional
     config.class_dropout = 0.1  # hide the class of 10% of the sequences: also an
     # unconditional model, for classifier-free guidance
@@ -159,6 +165,7 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
     config.weight_decay = 0.01  # minGPT / Net2NetTransformer
     config.b2 = 0.95
     config.ema_decay = 0.0  # >0: evaluate an EMA of the parameters
+    config.compute_dtype = "float32"  # or "bfloat16" activations; parameters stay float32
     config.grad_clip_norm = 1.0
     config.best_mode = "min"
     return config

@@ -37,9 +37,10 @@ def get_config():
     config.weight_decay = 0.0
     config.grad_accum_steps = 1  # raise to fit batch 512 on fewer/smaller devices
     config.label_smoothing = 0.0
+    config.compute_dtype = "bfloat16"  # accelerators: bf16 matrix units; float32 parameters
 
     config.batch_size = 512
-    config.eval_batch_size = 500
+    config.eval_batch_size = 512  # splits over 8, 16, ... devices (500 does not)
     config.num_train_steps = 20_000
     config.eval_every = 2_000
     config.checkpoint_every = 1_000

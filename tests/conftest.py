@@ -83,21 +83,11 @@ def trained_runs(digits_dir, tmp_path_factory):
 def tpu_devices():
     """``tpu_devices("v5e:2x2")`` -> libtpu's compile-only devices of that topology (no TPU
     needed: programs compile for them, they do not run)."""
-    from jax.experimental import topologies
+    from attnjax.compile import targets
 
     @functools.cache
     def devices(name: str):
-        chips = name.split(":")[1].split("x")
-        bounds = (1, 1, 1) if chips in (["1", "1"], ["1", "1", "1"]) else (2, 2, 1)
-        topology = topologies.get_topology_desc(
-            platform="tpu",
-            topology_name=name,
-            chip_config_name="default",
-            chips_per_host_bounds=bounds,
-            num_slices=1,
-            wrap=(False, False, False),
-        )
-        return topology.devices
+        return targets.parse(f"tpu:{name}").devices
 
     return devices
 

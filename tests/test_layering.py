@@ -15,6 +15,8 @@ above (the table below is checked against ``PACKAGES``):
                           parallelism, metrics
     4  attnjax.tasks      what each task adds: classification, vqgan, prior
     5  attnjax.inference  trained runs used: sampling command, export
+    5  attnjax.compile    a config compiled for TPUs or GPUs it does not run on: memory, FLOPs,
+                          predicted throughput
     6  attnjax.fid        the FID command
     6  train.py, demo.py, benchmarks/ (outside the package)
 
@@ -55,6 +57,12 @@ PACKAGES = (  # (package, layer, what it holds), bottom to top
     ),
     ("attnjax.tasks", 4, "what each task adds: classification, vqgan, prior"),
     ("attnjax.inference", 5, "trained runs used: sampling command, export"),
+    (
+        "attnjax.compile",
+        5,
+        "a config compiled for TPUs or GPUs it does not run on: memory, FLOPs, "
+        "predicted throughput",
+    ),
     ("attnjax.fid", 6, "the FID command"),
 )
 LAYERS = {"attnjax": 0, **{name: layer for name, layer, _ in PACKAGES}}

@@ -33,6 +33,7 @@ The samplers live in ``attnjax.models.sampling``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -50,13 +51,14 @@ class GPTMlp(nn.Module):
     exact GELU, fc2, dropout."""
 
     resid_pdrop: float = 0.0
+    dtype: Any = None  # computation dtype; parameters stay float32
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
         width = x.shape[-1]
-        x = nn.Dense(4 * width, kernel_init=_INIT, name="fc1")(x)
+        x = nn.Dense(4 * width, kernel_init=_INIT, dtype=self.dtype, name="fc1")(x)
         x = nn.gelu(x, approximate=False)
-        x = nn.Dense(width, kernel_init=_INIT, name="fc2")(x)
+        x = nn.Dense(width, kernel_init=_INIT, dtype=self.dtype, name="fc2")(x)
         return nn.Dropout(self.resid_pdrop)(x, deterministic=deterministic)
 
 
@@ -67,20 +69,23 @@ class Block(nn.Module):
     attn_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     decode: bool = False
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
-        y = nn.LayerNorm(epsilon=_LN_EPS, name="ln1")(x)
+        y = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln1")(x)
         y = MultiHeadAttention(
             num_heads=self.n_head,
             dropout_rate=self.attn_pdrop,
             decode=self.decode,
             kernel_init=_INIT,
+            dtype=self.dtype,
             name="attn",
         )(y, is_causal=True, deterministic=deterministic)
         x = x + nn.Dropout(self.resid_pdrop)(y, deterministic=deterministic)
-        y = nn.LayerNorm(epsilon=_LN_EPS, name="ln2")(x)
-        return x + GPTMlp(self.resid_pdrop, name="mlp")(y, deterministic=deterministic)
+        y = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln2")(x)
+        mlp = GPTMlp(self.resid_pdrop, dtype=self.dtype, name="mlp")
+        return x + mlp(y, deterministic=deterministic)
 
 
 class GPT(nn.Module):
@@ -101,6 +106,7 @@ class GPT(nn.Module):
     resid_pdrop: float = 0.0
     attn_pdrop: float = 0.0
     decode: bool = False
+    dtype: Any = None  # computation dtype (e.g. jnp.bfloat16); parameters stay float32
 
     @nn.compact
     def __call__(self, indices, *, deterministic: bool = True):
@@ -112,9 +118,9 @@ class GPT(nn.Module):
                 f"GPT: sequence length {length} exceeds block_size={self.block_size} "
                 f"(indices shape {indices.shape})"
             )
-        tokens = nn.Embed(self.vocab_size, self.n_embd, embedding_init=_INIT, name="tok_emb")(
-            indices
-        )
+        tokens = nn.Embed(
+            self.vocab_size, self.n_embd, embedding_init=_INIT, dtype=self.dtype, name="tok_emb"
+        )(indices)
         pos_emb = self.param("pos_emb", nn.initializers.zeros, (1, self.block_size, self.n_embd))
         start = 0
         if self.decode:
@@ -123,14 +129,24 @@ class GPT(nn.Module):
             if allocated:
                 start = position.value
                 position.value = start + length
-        x = tokens + jax.lax.dynamic_slice_in_dim(pos_emb, start, length, axis=1)
+        x = tokens + jax.lax.dynamic_slice_in_dim(pos_emb, start, length, axis=1).astype(
+            tokens.dtype
+        )
         x = nn.Dropout(self.embd_pdrop)(x, deterministic=deterministic)
         for i in range(self.n_layer):
             x = Block(
-                self.n_head, self.attn_pdrop, self.resid_pdrop, self.decode, name=f"blocks_{i}"
+                self.n_head,
+                self.attn_pdrop,
+                self.resid_pdrop,
+                self.decode,
+                dtype=self.dtype,
+                name=f"blocks_{i}",
             )(x, deterministic=deterministic)
-        x = nn.LayerNorm(epsilon=_LN_EPS, name="ln_f")(x)
-        return nn.Dense(self.vocab_size, use_bias=False, kernel_init=_INIT, name="head")(x)
+        x = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln_f")(x)
+        head = nn.Dense(
+            self.vocab_size, use_bias=False, kernel_init=_INIT, dtype=self.dtype, name="head"
+        )
+        return head(x).astype(jnp.float32)  # the loss and the sampler's filters in float32
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Batches: ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
 Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.models.vit.create_vit``, ``variant``
-for a named variant), ``init_from`` (optional pretrained params, see ``load_pretrained``),
-``label_smoothing``, and the optimiser fields of ``attnjax.train.optim``.
+for a named variant), ``compute_dtype`` ("float32" or "bfloat16" activations), ``init_from``
+(optional pretrained params, see ``load_pretrained``), ``label_smoothing``, and the optimiser
+fields of ``attnjax.train.optim``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from attnjax import data
 from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
 from attnjax.ops import positional
-from attnjax.train import checkpoint, optim, sharding
+from attnjax.train import checkpoint, optim, precision, sharding
 
 MODELS = {"vit": vit.create_vit}
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
@@ -48,6 +49,8 @@ def create_model(config) -> nn.Module:
         )
     kwargs = config.model.to_dict()
     variant = kwargs.pop("variant", None) or None
+    if precision.compute_dtype(config) is not None:
+        kwargs.setdefault("dtype", precision.compute_dtype(config))
     return MODELS[name](variant, **kwargs)
 
 
@@ -156,6 +159,23 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         opt_state=jax.jit(tx.init)(params),
         ema_params=ema,
     )
+
+
+def abstract_batch(config, batch_size: int) -> dict:
+    """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``)."""
+    model = create_model(config)  # its variant may fix the image size
+    size = config.data.get("image_size") or model.image_size
+    if not size:
+        raise ValueError(
+            "config.model.image_size and config.data.image_size are unset (native size); "
+            "set one to compile without the data."
+        )
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = model.in_channels
+    return {
+        "image": jax.ShapeDtypeStruct((batch_size, height, width, channels), jnp.float32),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
 
 
 def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):

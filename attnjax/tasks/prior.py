@@ -44,7 +44,7 @@ from attnjax.tasks.vqgan_codes import TrainedVQGAN as TrainedVQGAN
 from attnjax.tasks.vqgan_codes import encode_split, load_vqgan
 from attnjax.tasks.vqgan_codes import first_codes as first_codes
 from attnjax.tasks.vqgan_codes import load_images as load_images
-from attnjax.train import optim, sharding
+from attnjax.train import optim, precision, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model_name", "model")
@@ -63,15 +63,32 @@ def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def code_space(config) -> tuple[int, tuple[int, int]]:
+    """``(codebook size, token grid (h, w))`` of the VQGAN's codes: from its run, or, where
+    ``config.vqgan_workdir`` holds no checkpoints, from ``config.vqgan_codes`` (``n_embed`` and
+    ``grid``), which lets ``attnjax.compile`` size a prior without a trained VQGAN."""
+    given = config.get("vqgan_codes") or {}
+    n_embed, grid = int(given.get("n_embed", 0)), tuple(given.get("grid", ()))
+    workdir = config.get("vqgan_workdir") or ""
+    if n_embed and all(grid) and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return n_embed, (int(grid[0]), int(grid[1]))
+    vqgan = load_vqgan(workdir, config.get("vqgan_step"))
+    trained = (vqgan.model.n_embed, tuple(vqgan.grid_shape))
+    if n_embed and (n_embed, grid) != trained:
+        raise ValueError(
+            f"config.vqgan_codes={dict(n_embed=n_embed, grid=grid)} but the VQGAN in "
+            f"{workdir!r} has n_embed={trained[0]}, grid={trained[1]}."
+        )
+    return trained
+
+
 def create_model(config) -> gpt.GPT:
     """A ``GPT`` over the VQGAN's codes: vocab = codes + class tokens, block = the token grid."""
-    vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
-    height, width = vqgan.grid_shape
+    n_embed, (height, width) = code_space(config)
     return gpt.GPT(
-        vocab_size=gpt.vocab_size(
-            vqgan.model.n_embed, config.num_classes, trained_with_null_class(config)
-        ),
+        vocab_size=gpt.vocab_size(n_embed, config.num_classes, trained_with_null_class(config)),
         block_size=height * width,
+        dtype=precision.compute_dtype(config),
         **config.model.to_dict(),
     )
 
@@ -147,6 +164,36 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     ema = params if config.get("ema_decay", 0.0) else None
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ema_params=ema
+    )
+
+
+def abstract_batch(config, batch_size: int) -> dict:
+    """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``)."""
+    _, (height, width) = code_space(config)
+    return {
+        "codes": jax.ShapeDtypeStruct((batch_size, height * width), jnp.int32),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
+
+
+def sample_step(state: TrainState, batch, rng, *, config, model):
+    """Code grids ``[batch, h, w]`` for ``batch["label"]`` with ``config.sampling``: the sampler
+    as ``attnjax.compile`` compiles it (what sampling costs per eval batch)."""
+    n_embed, grid = code_space(config)
+    labels = batch["label"] if config.num_classes else None
+    return sample_codes(
+        model,
+        _eval_params(state),
+        labels,
+        rng,
+        grid_shape=grid,
+        codebook_size=n_embed,
+        num_classes=config.num_classes,
+        num_samples=batch["label"].shape[0],
+        temperature=config.sampling.temperature,
+        top_k=config.sampling.get("top_k"),
+        top_p=config.sampling.get("top_p"),
+        guidance=sampling_guidance(config),
     )
 
 

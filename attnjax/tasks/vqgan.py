@@ -191,6 +191,14 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     )
 
 
+def abstract_batch(config, batch_size: int) -> dict:
+    """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``)."""
+    ddconfig = config.model.ddconfig
+    size = config.data.get("image_size") or ddconfig.resolution
+    shape = (batch_size, size, size, ddconfig.in_channels)
+    return {"image": jax.ShapeDtypeStruct(shape, jnp.float32)}
+
+
 def _rgb(x):
     return jnp.repeat(x, 3, axis=-1) if x.shape[-1] == 1 else x
 

@@ -32,6 +32,7 @@ from attnjax.train import (
     checkpoint_integrity,
     nonfinite,
     parallel,
+    performance,
     preemption,
     report,
     sharding,
@@ -112,13 +113,14 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     """
     _check_loop_fields(config)
     parallel.maybe_initialize_distributed(config)
-    dp = _make_data_parallel(config, task)
+    dp = make_data_parallel(config, task)
     identity = getattr(task, "IDENTITY_FIELDS", checkpoint.DEFAULT_IDENTITY_FIELDS)
     checkpoint.check_compatible(workdir, config, identity)
     model = task.create_model(config)
     datasets = _make_datasets(config, task)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     state = _create_train_state(config, task, model, datasets, dp, init_rng)
+    profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
 
     is_main = jax.process_index() == 0
     with contextlib.ExitStack() as stack:
@@ -133,7 +135,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         _log_setup(config, datasets, dp)
         if dp.mode == "pmap":
             state = dp.place_state(state)
-        train_step, eval_step = _compile_steps(config, task, model, dp, state)
+        train_step, eval_step = compile_steps(config, task, model, dp, state)
         batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
         stack.callback(writer.close)
@@ -150,7 +152,11 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             writer,
             watch=nonfinite.NonfiniteWatch(config, start),
             bar=stack.enter_context(_progress_bar(config, start, enabled=is_main)),
+            # pmap's per-device step is not counted: no MFU there.
+            utilization=performance.Utilization(dp.mesh.devices.flat, config),
+            profile=profile,
         )
+        stack.callback(profile.stop)
         stop = stack.enter_context(preemption.StopRequest())
         # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
         # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
@@ -164,14 +170,16 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     return result
 
 
-def _make_data_parallel(config, task) -> parallel.DataParallel:
+def make_data_parallel(config, task, devices=None) -> parallel.DataParallel:
+    """The run's placement: ``config.mesh`` over ``devices`` (default ``run_devices``) with the
+    task's partition rules."""
     return parallel.DataParallel(
         config.get("parallel", "jit"),
         config.batch_size,
         config.get("eval_batch_size") or None,
         mesh=config.get("mesh", None),
         rules=sharding.rules_for(config, getattr(task, "SHARDING_RULES", None)),
-        devices=parallel.run_devices(config),
+        devices=parallel.run_devices(config) if devices is None else devices,
     )
 
 
@@ -210,7 +218,9 @@ def _log_setup(config, datasets, dp) -> None:
     )
 
 
-def _compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
+def compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
+    """The jitted ``train_step(state, batch, rng)`` and ``eval_step(state, batch)``; ``state``
+    may be abstract (``jax.ShapeDtypeStruct``s: only its layout is read)."""
     train_step = dp.compile_train_step(
         functools.partial(task.train_step, config=config, model=model),
         dp.state_shardings(state) if dp.mode == "jit" else None,
@@ -246,6 +256,8 @@ class _Run:
     writer: report.MetricWriter
     watch: nonfinite.NonfiniteWatch
     bar: tqdm.tqdm
+    utilization: performance.Utilization
+    profile: performance.ProfileWindow
 
 
 class _Throughput:
@@ -275,11 +287,15 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
     throughput = _Throughput(start, num_steps)
     for step in range(start + 1, num_steps + 1):
         batch, data_state = next(batches)
+        run.profile.before(step)
         state, metrics = run.train_step(state, batch, step_keys(step - 1))
+        run.profile.after(step, state)
         pending.append(metrics)
         run.bar.update(1)
         last = step == num_steps
         if step % config.log_every == 0 or last:
+            if run.dp.mode == "jit":  # the step's FLOPs, for MFU: the shapes it just ran on
+                run.utilization.count(run.train_step, state, batch, step_keys(step - 1))
             result.update(_log_train(run, step, pending, throughput))
             pending = []
         if step % config.eval_every == 0 or last:
@@ -308,6 +324,7 @@ def _log_train(run: _Run, step: int, pending: list, throughput: _Throughput) -> 
     scalars = {f"train/{k}": v for k, v in logged.items()}
     if throughput.steps:
         scalars["steps_per_sec"] = throughput.steps / throughput.seconds
+        scalars.update(run.utilization.scalars(scalars["steps_per_sec"]))
     if run.watch.mode == "skip":
         scalars["train/skipped_steps"] = run.watch.skipped
     run.writer.write(step, scalars)

@@ -102,3 +102,21 @@ def test_gpt_rejects_indices_that_are_not_batch_by_length(converted):
         model.apply(variables, jnp.zeros((24,), jnp.int32))
     with pytest.raises(ValueError, match="exceeds block_size=24"):
         model.apply(variables, jnp.zeros((1, 25), jnp.int32))
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_logits():
+    model = gpt.GPT(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    indices = jax.random.randint(jax.random.key(1), (4, 16), 0, 40)
+    params = model.init(jax.random.key(0), indices)["params"]
+    half = model.clone(dtype=jnp.bfloat16)
+    assert jax.tree.structure(half.init(jax.random.key(0), indices)["params"]) == (
+        jax.tree.structure(params)
+    )
+    full_logits = model.apply({"params": params}, indices)
+    half_logits = half.apply({"params": params}, indices)
+    assert half_logits.dtype == jnp.float32
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    # bf16 keeps 8 bits of mantissa: logits of a 2-block model agree to about 1e-2 of their scale.
+    scale = float(jnp.max(jnp.abs(full_logits)))
+    assert float(jnp.max(jnp.abs(half_logits - full_logits))) < 2e-2 * scale
+    assert float(jnp.max(jnp.abs(half_logits - full_logits))) > 0  # bf16 did run

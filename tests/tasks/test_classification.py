@@ -154,3 +154,19 @@ def test_task_registry_protocol():
     )
     with pytest.raises(ValueError, match="config.task='gan'"):
         get_task("gan")
+
+
+def test_compute_dtype_sets_the_vits_activations_and_is_checked():
+    config = load_config("vit_digits")
+    assert classification.create_model(config).dtype is None  # float32: the inputs' dtype
+    config.compute_dtype = "bfloat16"
+    assert classification.create_model(config).dtype == jnp.bfloat16
+    config.compute_dtype = "float16"
+    with pytest.raises(ValueError, match="config.compute_dtype='float16' is not supported"):
+        classification.create_model(config)
+
+
+def test_abstract_batch_takes_the_image_size_from_the_variant():
+    config = load_config("vit_cifar10")
+    batch = classification.abstract_batch(config, 8)
+    assert batch["image"].shape == (8, 32, 32, 3) and batch["label"].dtype == jnp.int32

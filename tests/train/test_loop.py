@@ -23,7 +23,7 @@ from attnjax.train import report
 @pytest.fixture(scope="module")
 def short_run(digits_dir, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run"))
-    config = tiny_vit_config(digits_dir, num_train_steps=8)
+    config = tiny_vit_config(digits_dir, num_train_steps=8, profile_steps="5:7")
     return config, workdir, train_and_evaluate(config, workdir)
 
 
@@ -51,6 +51,25 @@ def test_run_writes_metrics_plots_events_and_checkpoints(short_run):
         assert os.path.getsize(os.path.join(workdir, name)) > 0, name
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
+    assert glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*", "*.xplane.pb"))
+
+
+@pytest.mark.xdist_group("short_run")  # trained once, on one worker
+def test_run_logs_the_flops_it_ran_at_and_its_mfu(short_run):
+    config, workdir, _ = short_run
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    last = [r for r in records if "train/mfu" in r][-1]
+    # One CPU device (vit_digits' cpu_devices): FLOPs per step = TFLOP/s / steps per second.
+    flops_per_step = last["train/tflops_per_device"] * 1e12 / last["steps_per_sec"]
+    # The tiny ViT's matrix products by hand (16 tokens + class token, width 16, MLP 32, one
+    # block, 10 classes; 16x16x1 images in 4x4 patches): forward, and backward's two products
+    # per forward one but the patch embedding's input gradient (images are not differentiated).
+    tokens, width, mlp = 17, 16, 32
+    embed = 16 * 16 * width
+    forward = embed + tokens * (4 * width**2 + 2 * width * mlp) + 2 * tokens**2 * width + width * 10
+    expected = 2 * (3 * forward - embed) * config.batch_size
+    assert flops_per_step == pytest.approx(expected, rel=1e-9)
+    assert 0 < last["train/mfu"] < 1
 
 
 @pytest.mark.xdist_group("short_run")  # trained once, on one worker

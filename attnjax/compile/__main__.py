@@ -1,0 +1,33 @@
+"""``python -m attnjax.compile --config CONFIG --target TARGET [--json FILE] [--config.x=y]``."""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from attnjax.compile import run, targets
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).")
+_TARGET = flags.DEFINE_string("target", None, f"What to compile for: {targets.FORMS}.")
+_JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this file.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    try:
+        status = run(
+            _CONFIG.value,
+            _TARGET.value,
+            config_name=config_flags.get_config_filename(flags.FLAGS["config"]),
+            json_path=_JSON.value,
+        )
+    except ValueError as error:
+        print(f"attnjax.compile: error: {error}", file=sys.stderr)
+        status = 1
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config", "target"])
+    app.run(main)
