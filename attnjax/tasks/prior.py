@@ -378,7 +378,26 @@ def sample_grid(
     labels = (
         np.repeat(np.arange(classes, dtype=np.int32), per_class) if config.num_classes else None
     )
-    _, images = sample_images(
+    images = _sample_as_configured(
+        model,
+        params,
+        vqgan,
+        config,
+        labels,
+        rng,
+        classes * per_class,
+        path=path,
+        nrow=per_class,
+        scale=sampling.get("png_scale", 1),
+    )
+    return labels, images
+
+
+def _sample_as_configured(model, params, vqgan, config, labels, rng, number: int, **picture):
+    """``number`` images sampled with ``config.sampling`` and decoded by ``vqgan``, pixels in
+    [0, 1]; ``picture``: ``sample_images``' ``path``, ``nrow`` and ``scale``."""
+    sampling = config.sampling
+    return sample_images(
         model,
         params,
         vqgan.model,
@@ -388,18 +407,15 @@ def sample_grid(
         grid_shape=vqgan.grid_shape,
         codebook_size=vqgan.model.n_embed,
         num_classes=config.num_classes,
-        num_samples=classes * per_class,
+        num_samples=number,
         temperature=sampling.temperature,
         top_k=sampling.get("top_k"),
         top_p=sampling.get("top_p"),
         guidance=sampling_guidance(config),
         mean=vqgan.config.data.mean,
         std=vqgan.config.data.std,
-        path=path,
-        nrow=per_class,
-        scale=sampling.get("png_scale", 1),
-    )
-    return labels, images
+        **picture,
+    )[1]
 
 
 def write_images(state: TrainState, batch, *, config, model, workdir, step):
@@ -423,30 +439,13 @@ def sample_fid(params, config, model: gpt.GPT) -> dict:
     against as many images of the VQGAN's eval split (``attnjax.tasks.image_metrics``), with
     ``eval/fid_n`` and ``eval/fid_real_n``."""
     vqgan = load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
-    sampling, classes = config.sampling, config.num_classes
+    classes = config.num_classes
     key = jax.random.key(config.seed + 4)
 
     def sample_batch(indices):
         labels = (indices % classes).astype(np.int32) if classes else None
-        _, images = sample_images(
-            model,
-            params,
-            vqgan.model,
-            vqgan.variables,
-            labels,
-            jax.random.fold_in(key, int(indices[0])),
-            grid_shape=vqgan.grid_shape,
-            codebook_size=vqgan.model.n_embed,
-            num_classes=classes,
-            num_samples=len(indices),
-            temperature=sampling.temperature,
-            top_k=sampling.get("top_k"),
-            top_p=sampling.get("top_p"),
-            guidance=sampling_guidance(config),
-            mean=vqgan.config.data.mean,
-            std=vqgan.config.data.std,
-        )
-        return images
+        rng = jax.random.fold_in(key, int(indices[0]))
+        return _sample_as_configured(model, params, vqgan, config, labels, rng, len(indices))
 
     samples = image_metrics.in_batches(
         sample_batch, np.arange(config.fid.num_images), config.fid.batch_size

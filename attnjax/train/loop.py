@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import numbers
 import time
 from typing import Any, Callable
 
@@ -363,8 +364,10 @@ def _evaluate_and_keep_best(run: _Run, state, step: int) -> dict:
 
 def _finish(run: _Run, state, start: int, result: dict) -> None:
     """Adds to ``result`` the final evaluation of an already finished run (trained nothing) and
-    what the task's ``finalize`` returns."""
-    if start >= run.config.num_train_steps:
+    what the task's ``finalize`` returns; a run that trained also logs the latter's numbers
+    (FIDs computed once, at the end) at its last step."""
+    last = run.config.num_train_steps
+    if start >= last:
         result.update(_evaluate(run, state, start))
     if hasattr(run.task, "finalize"):
         host = run.dp.to_host(state)
@@ -372,3 +375,6 @@ def _finish(run: _Run, state, start: int, result: dict) -> None:
             host, result, config=run.config, model=run.model, workdir=run.workdir
         )
         result.update(extra or {})
+        logged = {k: v for k, v in (extra or {}).items() if isinstance(v, numbers.Real)}
+        if logged and start < last:
+            run.writer.write(last, logged)

@@ -84,6 +84,11 @@ def test_short_run_with_gan(digits_dir, inception_weights, tmp_path):
         *pytorch_fid_statistics(state, pixels[:6], 64),
     )
     assert_close(result["eval/rfid"], expected, rtol=1e-3, what="eval/rfid against pytorch-fid")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        logged = [r for r in map(json.loads, f) if "eval/rfid" in r]
+    assert [(r["step"], r["eval/rfid"], r["eval/rfid_n"]) for r in logged] == [
+        (8, float(result["eval/rfid"]), 6.0)
+    ], "the end-of-run FID is logged once, at the last step"
 
 
 def _skimage_ssim(image, reference):
