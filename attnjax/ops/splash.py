@@ -36,11 +36,10 @@ def tile_for(length: int) -> tuple[int, int]:
 
 
 def _batch_axes():
-    """The context mesh's axes when it has more than one device, else None."""
+    """``(axes, devices)`` of the context mesh when it has more than one device, else None."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or math.prod(mesh.axis_sizes) == 1:
-        return None
-    return tuple(mesh.axis_names)
+    devices = 1 if mesh.empty else math.prod(mesh.axis_sizes)
+    return None if devices == 1 else (tuple(mesh.axis_names), devices)
 
 
 def serves(batch: int, head_dim: int, value_dim: int, mask_kind: str | None) -> bool:
@@ -48,10 +47,8 @@ def serves(batch: int, head_dim: int, value_dim: int, mask_kind: str | None) -> 
     per-query mask), ``Ev == E``, and a batch that divides over the context mesh."""
     if mask_kind not in (None, "key_padding") or head_dim != value_dim:
         return False
-    axes = _batch_axes()
-    if axes is None:
-        return True
-    return batch % math.prod(jax.sharding.get_abstract_mesh().axis_sizes) == 0
+    mesh = _batch_axes()
+    return mesh is None or batch % mesh[1] == 0
 
 
 def splash_attention(
@@ -107,9 +104,9 @@ def splash_attention(
     def per_example(q, k, v, segments):
         return jax.vmap(lambda q, k, v, s: splash(q, k, v, segment_ids=s))(q, k, v, segments)
 
-    axes = _batch_axes()
-    if axes is not None:
-        spec = jax.sharding.PartitionSpec(axes)
+    mesh = _batch_axes()
+    if mesh is not None:
+        spec = jax.sharding.PartitionSpec(mesh[0])
         per_example = jax.shard_map(per_example, in_specs=spec, out_specs=spec, check_vma=False)
     out = per_example(q, k, v, segments)
     return jnp.swapaxes(out[:, :, :length], 1, 2)

@@ -57,9 +57,11 @@ def chip_of(device) -> Chip | None:
 
 
 @functools.lru_cache(maxsize=2)
+@functools.cache
 def measured_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of the fastest of ``repeats`` float32 ``[size, size] @ [size, size]`` products on
-    the default device (all of its threads): a CPU's attainable rate, in place of a peak."""
+    the default device (all of its threads): a CPU's attainable rate, in place of a peak.
+    Measured once per process: every run a process starts shares it."""
     a = jnp.ones((size, size), jnp.float32)
     product = jax.jit(lambda x: x @ x)
     product(a).block_until_ready()
