@@ -391,6 +391,13 @@ def pytorch_fid_weights(state_dict):
         yield
 
 
+def long_vit(**overrides) -> vit.ViT:
+    """A one-layer ViT over 32 x 32 one-pixel patches: 1,025 tokens of 2 heads of 16."""
+    return vit.ViT(
+        num_classes=4, patch_size=1, width=32, depth=1, num_heads=2, image_size=32, **overrides
+    )
+
+
 def long_attention_programs(dtype=jnp.float32):
     """``{name: (function, abstract args)}``: the forward and the parameter gradient of a ViT
     (1,025 tokens), a VQGAN attention block (a 32 x 32 map: 1,024 tokens, one head of 32) and a
@@ -401,7 +408,7 @@ def long_attention_programs(dtype=jnp.float32):
 
     models = {
         "vit": (
-            vit.ViT(num_classes=4, patch_size=1, width=32, depth=1, num_heads=2, image_size=32),
+            long_vit(),
             jax.ShapeDtypeStruct((2, 32, 32, 3), dtype),
         ),
         "vqgan_attention": (AttnBlock(), jax.ShapeDtypeStruct((2, 32, 32, 32), dtype)),

@@ -5,10 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, long_attention_programs, lowered_text
+from helpers import assert_close, long_attention_programs, long_vit, lowered_text
 
 from attnjax.inference import export
-from attnjax.models import vit
 from attnjax.ops import attention
 
 pytestmark = pytest.mark.cuda
@@ -38,15 +37,7 @@ def test_cudnn_for_bfloat16_at_every_length(length, heads, depth):
 
 
 def test_vit_exported_for_three_platforms():
-    model = vit.ViT(
-        num_classes=4,
-        patch_size=1,
-        width=32,
-        depth=1,
-        num_heads=2,
-        image_size=32,
-        dtype=jnp.bfloat16,
-    )
+    model = long_vit(dtype=jnp.bfloat16)
     images = np.random.default_rng(0).standard_normal((2, 32, 32, 3)).astype(np.float32)
     variables = model.init(jax.random.key(0), images)
     logits = lambda images: model.apply(variables, images)
