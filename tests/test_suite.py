@@ -1,0 +1,14 @@
+"""The suite's own arrangements hold: tests of one xdist group share one worker."""
+
+import pytest
+
+
+@pytest.mark.xdist_group("suite")
+def test_xdist_groups_reach_the_scheduler(request):
+    """``make test`` runs ``--dist loadgroup``: pytest-xdist appends each test's group to its
+    id, and the scheduler keeps a group on one worker. A pytest whose ids drop that suffix
+    (9.2 with pytest-xdist 3.8) spreads every group over both workers: module fixtures made
+    twice, multi-process runs on top of each other."""
+    if not request.config.getvalue("loadgroup"):
+        pytest.skip("not run with --dist loadgroup")
+    assert request.node.nodeid.endswith("@suite"), request.node.nodeid
