@@ -21,11 +21,18 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # Outcomes must not hang on timing: the CPU choices attnjax.ops.autotune would time on this
 # machine take their fixed defaults; tests that check a choice set it themselves.
 os.environ["ATTNJAX_CPU_AUTOTUNE"] = "0"
-# The suite checks values, not speed: LLVM at -O0 compiles its programs in about 60% of the time
-# (benchmarks/results/suite.md) and computes the same values to float32 rounding. Subprocesses
-# inherit it through helpers.xla_flags.
+# The suite checks values, not speed: LLVM at -O0 and XLA's older loop emitters instead of its
+# fusion emitters compile its programs in about a third of the time (benchmarks/results/suite.md)
+# and compute the same values to float32 rounding. Subprocesses inherit them through
+# helpers.xla_flags.
 os.environ["XLA_FLAGS"] = " ".join(
-    dict.fromkeys([*os.environ.get("XLA_FLAGS", "").split(), "--xla_backend_optimization_level=0"])
+    dict.fromkeys(
+        [
+            *os.environ.get("XLA_FLAGS", "").split(),
+            "--xla_backend_optimization_level=0",
+            "--xla_cpu_use_fusion_emitters=false",
+        ]
+    )
 )
 
 import numpy as np

@@ -45,9 +45,17 @@ def test_cached_sampling_equals_full_recompute(gpt, settings):
     ref_tokens, ref_logits = sampling.sample_recompute(
         model, params, prefix, rng, 20, num_codes=32, return_logits=True, **settings
     )
-    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
     # Cache and recompute sum in different orders; guidance scales that float32 rounding by w.
-    assert_close(logits, ref_logits, atol=1e-5, what="logits along the cached sampling")
+    # A draw between two nearly equal candidates may go either way on that rounding: each row's
+    # tokens are equal up to its first difference, and the logits up to and at it (a row drawn
+    # differently is then conditioned differently).
+    for row, (got, expected) in enumerate(zip(np.asarray(tokens), np.asarray(ref_tokens))):
+        differ = np.flatnonzero(got != expected)
+        upto = int(differ[0]) + 1 if differ.size else len(got)
+        assert_close(
+            logits[row, :upto], ref_logits[row, :upto], atol=1e-5, what=f"row {row} logits"
+        )
+    assert np.mean(np.asarray(tokens) == np.asarray(ref_tokens)) > 0.9
     assert tokens.shape == (3, 20) and int(tokens.max()) < 32
     # And the logits are the model's: a plain forward pass over the sampled sequence.
     forward = jax.jit(model.apply)

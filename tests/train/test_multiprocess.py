@@ -89,6 +89,15 @@ def launcher(command, processes, devices_per_process):
     )
 
 
+def assert_equal_to_rounding(actual, expected, what):
+    """Over many steps gloo's and one process's reduction orders round differently, and a small
+    entry of a tensor carries the error of its large ones: 1e-5 of the tensor's scale, and 1e-6
+    for tensors that are rounding noise themselves (attention key biases, whose gradient is
+    zero)."""
+    scale = float(np.abs(expected).max())
+    assert_close(actual, expected, rtol=1e-5, atol=max(1e-6, 1e-5 * scale), what=what)
+
+
 def flat_params(workdir, **kwargs):
     return flax.traverse_util.flatten_dict(checkpoint.load(workdir, **kwargs)[1], sep="/")
 
@@ -145,10 +154,10 @@ def test_two_processes_killed_and_resumed_equal_one_process(digits_dir, tmp_path
     reference, resumed = flat_params(one), flat_params(two)
     assert sorted(resumed) == sorted(reference)
     for key, value in reference.items():
-        assert_close(resumed[key], value, rtol=1e-5, atol=1e-6, what=key)
+        assert_equal_to_rounding(resumed[key], value, what=key)
     best_one, best_two = flat_params(one, best=True), flat_params(two, best=True)
     for key, value in best_one.items():
-        assert_close(best_two[key], value, rtol=1e-5, atol=1e-6, what=f"best {key}")
+        assert_equal_to_rounding(best_two[key], value, what=f"best {key}")
 
 
 # A GroupNorm with one channel per group erases its input's per-channel biases, whose gradients
