@@ -6,6 +6,7 @@ import json
 import os
 
 from attnjax.data import images
+from attnjax.train import events
 
 
 class MetricWriter:
@@ -22,11 +23,9 @@ class MetricWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
         if enabled:
-            from tensorboardX import SummaryWriter
-
             _truncate_after(self.path, resume_step)
             # Also on a fresh start: a run killed before its first checkpoint left events.
-            self._tb = SummaryWriter(
+            self._tb = events.EventFileWriter(
                 os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1
             )
 
@@ -36,8 +35,7 @@ class MetricWriter:
         record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for key, value in scalars.items():
-            self._tb.add_scalar(key, float(value), int(step))
+        self._tb.write(int(step), scalars)
 
     def close(self) -> None:
         if self._tb is not None:
