@@ -252,9 +252,11 @@ SHARDED = textwrap.dedent("""
     from attnjax.models import quantizers
     assert jax.device_count() == 8
 
+    # On the host: each eager op on these (sharded) arrays would compile a program of its own.
     def max_difference(a, b):
         return max(
-            float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+            float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
         )
 
     z = jnp.asarray(np.random.default_rng(0).normal(size=(16, 2, 2, 12)).astype(np.float32))
@@ -286,12 +288,12 @@ SHARDED = textwrap.dedent("""
         out[kind] = {
             "jit": max_difference(jitted, ref),
             "jit_grad": max_difference(jit_grad, ref_grad),
-            "pmap_outputs": float(jnp.max(jnp.abs(pmapped[0].reshape(z.shape) - ref[0]))),
-            "pmap_indices": bool(jnp.all(pmapped[1].reshape(ref[1].shape) == ref[1])),
+            "pmap_outputs": max_difference(np.asarray(pmapped[0]).reshape(z.shape), ref[0]),
+            "pmap_indices": bool(np.all(np.asarray(pmapped[1]).reshape(ref[1].shape) == ref[1])),
             # Losses are per-device means (the train step pmeans them); statistics are global.
-            "pmap_loss": [float(pmapped[2]["loss"].mean()), float(ref[2]["loss"])],
+            "pmap_loss": [float(np.mean(pmapped[2]["loss"])), float(ref[2]["loss"])],
             "pmap_stats": {
-                k: [float(pmapped[2][k].min()), float(pmapped[2][k].max()), float(ref[2][k])]
+                k: [float(np.min(pmapped[2][k])), float(np.max(pmapped[2][k])), float(ref[2][k])]
                 for k in keys if k != "loss"
             },
         }
@@ -310,7 +312,7 @@ SHARDED = textwrap.dedent("""
     one_state, one_metrics = jax.jit(step)(state, {"image": images}, jax.random.PRNGKey(1))
     p_step = jax.pmap(partial(step, axis_name="data"), axis_name="data", in_axes=(0, 0, None))
     p_state, p_metrics = p_step(
-        jax.tree.map(lambda x: jnp.stack([x] * 8), state),
+        jax.tree.map(lambda x: np.stack([np.asarray(x)] * 8), state),
         {"image": images.reshape(8, 2, 8, 8, 1)},
         jax.random.PRNGKey(1))
     out["vqgan_task_pmap"] = {
@@ -318,7 +320,9 @@ SHARDED = textwrap.dedent("""
             k: [float(p_metrics[k][0]), float(one_metrics[k])]
             for k in ("loss", "perplexity", "codebook_usage")
         },
-        "params": max_difference(jax.tree.map(lambda x: x[0], p_state.params), one_state.params),
+        "params": max_difference(
+            jax.tree.map(lambda x: np.asarray(x)[0], p_state.params), one_state.params
+        ),
     }
     print(json.dumps(out))
 """)

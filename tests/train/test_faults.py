@@ -29,13 +29,13 @@ from attnjax.train import checkpoint, nonfinite, optim, preemption, workdir_lock
 # One worker runs this module, so that its uninterrupted reference run is trained once.
 pytestmark = pytest.mark.xdist_group("faults")
 
-STEPS = 200
+STEPS = 100
 FLAGS = [
     *tiny_vit_flags(),
     "--config.warmup_steps=5",
     f"--config.num_train_steps={STEPS}",
     "--config.log_every=25",
-    "--config.eval_every=100",
+    "--config.eval_every=50",
     "--config.checkpoint_every=25",
     "--config.model.dropout_rate=0.1",
     "--config.data.crop_padding=1",  # random crops: the data stream's RNG must resume too
@@ -58,7 +58,7 @@ def command(workdir, digits_dir, *extra):
 
 def config_like_flags(digits_dir, **overrides):
     settings = dict(
-        warmup_steps=5, num_train_steps=STEPS, log_every=25, eval_every=100, checkpoint_every=25
+        warmup_steps=5, num_train_steps=STEPS, log_every=25, eval_every=50, checkpoint_every=25
     )
     config = tiny_vit_config(digits_dir, **{**settings, **overrides})
     config.model.dropout_rate = 0.1

@@ -30,10 +30,10 @@ VIT_FLAGS = (
     *tiny_vit_flags(),
     "--config.warmup_steps=2",
     "--config.log_every=10",
-    "--config.eval_every=20",
+    "--config.eval_every=10",
     "--config.checkpoint_every=10",
 )
-VIT_STEPS = 60
+VIT_STEPS = 40
 
 
 def train_command(config, data_dir, workdir, *flags):
@@ -116,8 +116,8 @@ def finished_steps(workdir):
 
 def test_two_processes_killed_and_resumed_equal_one_process(digits_dir, tmp_path):
     """2 processes x 2 devices, SIGKILLed after their first checkpoint and relaunched, end
-    where 1 process x 4 devices ends; the best-metric and latest managers both save steps 20,
-    40 and 60 on two processes (they once collided on Orbax's barrier)."""
+    where 1 process x 4 devices ends; the best-metric and latest managers both save steps 10,
+    20, 30 and 40 on two processes (they once collided on Orbax's barrier)."""
     flags = (*VIT_FLAGS, f"--config.num_train_steps={VIT_STEPS}")
     one = str(tmp_path / "one")
     run_one_process(train_command("vit_digits.py", digits_dir, one, *flags), devices=4)
