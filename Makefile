@@ -10,17 +10,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 
-# --no-compile: Python writes the bytecode of the modules a run imports when it first imports them;
-# compiling every installed file up front (torch's thousands) took most of the install's time.
 $(VENV)/.installed: $(PY) pyproject.toml
-	$(PIP) install --quiet --no-compile -e .
+	$(PIP) install --quiet -e .
 	touch $@
 
 # torch is pinned to the CPU wheel; taming-transformers declares a CUDA torch and pytorch-lightning
 # as dependencies although its `taming.modules` need only torch, hence --no-deps.
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
-	$(PIP) install --quiet --no-compile -e ".[dev]"
-	$(PIP) install --quiet --no-compile --no-deps taming-transformers==0.0.1
+	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-deps taming-transformers==0.0.1
 	touch $@
 
 demo: $(VENV)/.installed
@@ -41,7 +39,7 @@ CUDA_TESTS := tests/ops/test_kernel_choice_cuda.py tests/compile/test_compile.py
 $(VENV_GPU)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_GPU)
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip setuptools wheel
-	$(VENV_GPU)/bin/python -m pip install --quiet --no-compile -e ".[cuda-lowering]"
+	$(VENV_GPU)/bin/python -m pip install --quiet -e ".[cuda-lowering]"
 	touch $@
 
 test-cuda: $(VENV_GPU)/.installed
