@@ -11,9 +11,10 @@ compute, which must agree to float32 rounding for a flag to be acceptable in the
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
+
+from attnjax.ops.platform import processor
 
 FLAG_SETS = {
     "default": "",
@@ -96,8 +97,7 @@ def main(argv=None):
             for program in runs[0]
         }
         print(f"{name}: done", file=sys.stderr)
-    processor = platform.processor() or platform.machine()
-    print(f"Processor: {processor} ({os.cpu_count()} cores), fastest of {args.repeats} processes")
+    print(f"Processor: {processor()} ({os.cpu_count()} cores), fastest of {args.repeats} processes")
     print("| program | " + " | ".join(FLAG_SETS) + " |")
     print("|---|" + "---|" * len(FLAG_SETS))
     for program in results["default"]:

@@ -21,9 +21,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # Outcomes must not hang on timing: the CPU choices attnjax.ops.autotune would time on this
 # machine take their fixed defaults; tests that check a choice set it themselves.
 os.environ["ATTNJAX_CPU_AUTOTUNE"] = "0"
-# The suite checks values, not speed: LLVM at -O0 and XLA's older loop emitters instead of its
-# fusion emitters compile its programs in about a third of the time (benchmarks/results/suite.md)
-# and compute the same values to float32 rounding. Subprocesses inherit them through
+# The suite checks values, not speed: LLVM at -O0 and XLA's loop emitters instead of its fusion
+# emitters compile its programs in about 60% of the default's time and compute the same values to
+# float32 rounding (benchmarks/results/compile_flags.md). Subprocesses inherit them through
 # helpers.xla_flags.
 os.environ["XLA_FLAGS"] = " ".join(
     dict.fromkeys(
