@@ -130,6 +130,9 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.disc_learning_rate = config.learning_rate
     config.b1 = 0.5
     config.b2 = 0.9
+    # or "bfloat16": encoder, decoder and discriminator activations; parameters, the quantizer,
+    # the last decoder layer, the losses and LPIPS stay float32
+    config.compute_dtype = "float32"
     config.best_metric = "eval/psnr"
     return config
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,12 @@ class ActNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        flat = x.reshape(-1, x.shape[-1])
+        # The initialising statistics, and so the parameters, in float32 whatever x's dtype.
+        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
         loc = self.param("loc", lambda rng: -flat.mean(axis=0))
         # taming divides by the unbiased std (torch.std) plus 1e-6.
         scale = self.param("scale", lambda rng: 1.0 / (jnp.std(flat, axis=0, ddof=1) + 1e-6))
-        return scale * (x + loc)
+        return scale.astype(x.dtype) * (x + loc.astype(x.dtype))
 
 
 class NLayerDiscriminator(nn.Module):
@@ -39,6 +42,9 @@ class NLayerDiscriminator(nn.Module):
     ndf: int = 64
     n_layers: int = 3
     norm: str = "batch"
+    # The compute dtype (None: the input's); parameters, BatchNorm statistics and the logits out
+    # stay float32.
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x: Array, train: bool = False) -> Array:
@@ -63,7 +69,7 @@ class NLayerDiscriminator(nn.Module):
                 index += 1
             x = nn.leaky_relu(x, 0.2)
             index += 1
-        return self._conv(1, 1, True, index)(x)
+        return self._conv(1, 1, True, index)(x).astype(jnp.float32)
 
     def _conv(self, features: int, stride: int, bias: bool, index: int) -> nn.Conv:
         return nn.Conv(
@@ -73,6 +79,7 @@ class NLayerDiscriminator(nn.Module):
             padding=((1, 1), (1, 1)),
             use_bias=bias,
             kernel_init=nn.initializers.normal(0.02),  # taming's weights_init
+            dtype=self.dtype,
             name=f"main_{index}",
             conv_general_dilated=convolution.conv_general_dilated,
         )
@@ -88,6 +95,7 @@ class NLayerDiscriminator(nn.Module):
                 momentum=0.9,
                 epsilon=1e-5,
                 scale_init=scale_init,
+                dtype=self.dtype,
                 name=name,
             )
         if self.norm == "actnorm":

@@ -17,6 +17,7 @@ The quantizer goes beyond taming with options against codebook collapse (off by 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -30,20 +31,25 @@ from attnjax.ops.attention import dot_product_attention
 Array = jax.Array
 
 
-def _normalize(name: str) -> nn.GroupNorm:
+def _normalize(name: str, dtype=None) -> nn.GroupNorm:
     """GroupNorm(32, eps=1e-6), taming's ``Normalize``; Flax groups NHWC channels as PyTorch
     groups NCHW ones. The two-pass variance follows PyTorch's numerics more closely than
-    E[x^2] - E[x]^2."""
-    return nn.GroupNorm(num_groups=32, epsilon=1e-6, use_fast_variance=False, name=name)
+    E[x^2] - E[x]^2. Flax takes the statistics in float32 whatever ``dtype`` the output has."""
+    return nn.GroupNorm(
+        num_groups=32, epsilon=1e-6, use_fast_variance=False, dtype=dtype, name=name
+    )
 
 
-def _conv(features: int, kernel: int, name: str, stride: int = 1, padding: Any = "SAME") -> nn.Conv:
+def _conv(
+    features: int, kernel: int, name: str, stride: int = 1, padding: Any = "SAME", dtype=None
+) -> nn.Conv:
     pad = ((kernel // 2, kernel // 2),) * 2 if padding == "SAME" else padding
     return nn.Conv(
         features,
         (kernel, kernel),
         strides=(stride, stride),
         padding=pad,
+        dtype=dtype,
         name=name,
         conv_general_dilated=convolution.conv_general_dilated,
     )
@@ -55,18 +61,20 @@ class ResnetBlock(nn.Module):
     out_channels: int
     dropout: float = 0.0
     conv_shortcut: bool = False
+    dtype: Any = None  # the compute dtype (None: the input's); parameters stay float32
 
     @nn.compact
     def __call__(self, x: Array, train: bool = False) -> Array:
-        h = _conv(self.out_channels, 3, "conv1")(nn.swish(_normalize("norm1")(x)))
-        h = nn.swish(_normalize("norm2")(h))
+        conv = functools.partial(_conv, dtype=self.dtype)
+        h = conv(self.out_channels, 3, "conv1")(nn.swish(_normalize("norm1", self.dtype)(x)))
+        h = nn.swish(_normalize("norm2", self.dtype)(h))
         h = nn.Dropout(self.dropout, deterministic=not train)(h)
-        h = _conv(self.out_channels, 3, "conv2")(h)
+        h = conv(self.out_channels, 3, "conv2")(h)
         if x.shape[-1] != self.out_channels:
             if self.conv_shortcut:
-                x = _conv(self.out_channels, 3, "conv_shortcut")(x)
+                x = conv(self.out_channels, 3, "conv_shortcut")(x)
             else:
-                x = _conv(self.out_channels, 1, "nin_shortcut")(x)
+                x = conv(self.out_channels, 1, "nin_shortcut")(x)
         return x + h
 
 
@@ -77,32 +85,40 @@ class AttnBlock(nn.Module):
     The ``h * w`` positions are the sequence and ``c`` the head size: ``[b, h * w, 1, c]`` for
     ``dot_product_attention`` (scale ``1 / sqrt(c)``, as taming's ``c ** -0.5``)."""
 
+    dtype: Any = None
+
     @nn.compact
     def __call__(self, x: Array) -> Array:
         b, height, width, c = x.shape
-        h = _normalize("norm")(x)
+        h = _normalize("norm", self.dtype)(x)
         q, k, v = (
-            _conv(c, 1, name)(h).reshape(b, height * width, 1, c) for name in ("q", "k", "v")
+            _conv(c, 1, name, dtype=self.dtype)(h).reshape(b, height * width, 1, c)
+            for name in ("q", "k", "v")
         )
         h = dot_product_attention(q, k, v).reshape(b, height, width, c)
-        return x + _conv(c, 1, "proj_out")(h)
+        return x + _conv(c, 1, "proj_out", dtype=self.dtype)(h)
 
 
 class Downsample(nn.Module):
     """Stride-2 conv3x3 with taming's asymmetric zero padding (0 before, 1 after): halves h, w."""
 
+    dtype: Any = None
+
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        return _conv(x.shape[-1], 3, "conv", stride=2, padding=((0, 1), (0, 1)))(x)
+        pads = ((0, 1), (0, 1))
+        return _conv(x.shape[-1], 3, "conv", stride=2, padding=pads, dtype=self.dtype)(x)
 
 
 class Upsample(nn.Module):
     """Nearest-neighbour x2 followed by conv3x3: doubles h, w."""
 
+    dtype: Any = None
+
     @nn.compact
     def __call__(self, x: Array) -> Array:
         x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-        return _conv(x.shape[-1], 3, "conv")(x)
+        return _conv(x.shape[-1], 3, "conv", dtype=self.dtype)(x)
 
 
 class _DDConfig(nn.Module):
@@ -161,12 +177,12 @@ _DDCONFIG_FIELDS = (
 )
 
 
-def _middle(h: Array, dropout: float, train: bool) -> Array:
+def _middle(h: Array, dropout: float, train: bool, dtype) -> Array:
     """ResNet, attention, ResNet at the lowest resolution; named as taming's ``mid`` submodules
     inside the calling ``Encoder``/``Decoder``."""
-    h = ResnetBlock(h.shape[-1], dropout, name="mid_block_1")(h, train)
-    h = AttnBlock(name="mid_attn_1")(h)
-    return ResnetBlock(h.shape[-1], dropout, name="mid_block_2")(h, train)
+    h = ResnetBlock(h.shape[-1], dropout, dtype=dtype, name="mid_block_1")(h, train)
+    h = AttnBlock(dtype=dtype, name="mid_attn_1")(h)
+    return ResnetBlock(h.shape[-1], dropout, dtype=dtype, name="mid_block_2")(h, train)
 
 
 class Encoder(_DDConfig):
@@ -177,54 +193,67 @@ class Encoder(_DDConfig):
     in_channels: int
     double_z: bool = True
     dropout: float = 0.0
+    dtype: Any = None  # the compute dtype (None: the input's); parameters stay float32
 
     @nn.compact
     def __call__(self, x: Array, train: bool = False) -> Array:
         self._check(x, "x", "in_channels", downsampled=True)
-        h = _conv(self.ch, 3, "conv_in")(x)
+        dtype = self.dtype
+        h = _conv(self.ch, 3, "conv_in", dtype=dtype)(x)
         res = self.resolution
         for level, mult in enumerate(self.ch_mult):
             for i in range(self.num_res_blocks):
-                h = ResnetBlock(self.ch * mult, self.dropout, name=f"down_{level}_block_{i}")(
-                    h, train
-                )
+                h = ResnetBlock(
+                    self.ch * mult, self.dropout, dtype=dtype, name=f"down_{level}_block_{i}"
+                )(h, train)
                 if res in self.attn_resolutions:
-                    h = AttnBlock(name=f"down_{level}_attn_{i}")(h)
+                    h = AttnBlock(dtype=dtype, name=f"down_{level}_attn_{i}")(h)
             if level != len(self.ch_mult) - 1:
-                h = Downsample(name=f"down_{level}_downsample")(h)
+                h = Downsample(dtype=dtype, name=f"down_{level}_downsample")(h)
                 res //= 2
-        h = _middle(h, self.dropout, train)
-        h = nn.swish(_normalize("norm_out")(h))
-        return _conv(2 * self.z_channels if self.double_z else self.z_channels, 3, "conv_out")(h)
+        h = _middle(h, self.dropout, train, dtype)
+        h = nn.swish(_normalize("norm_out", dtype)(h))
+        z_channels = 2 * self.z_channels if self.double_z else self.z_channels
+        return _conv(z_channels, 3, "conv_out", dtype=dtype)(h)
 
 
 class Decoder(_DDConfig):
     """Latents ``[b, h, w, z_channels]`` -> image ``[b, h*f, w*f, out_ch]``, mirroring ``Encoder``
     with ``num_res_blocks + 1`` blocks per level. The features entering ``conv_out`` are sown as
-    ``intermediates/pre_conv_out``: the VQGAN loss takes its adaptive weight at that last layer."""
+    ``intermediates/pre_conv_out``: the VQGAN loss takes its adaptive weight at that last layer.
+    With a ``dtype``, the image and those features come out in float32 (the losses' dtype)."""
 
     out_ch: int
     dropout: float = 0.0
+    dtype: Any = None  # the compute dtype (None: the input's); parameters stay float32
 
     @nn.compact
     def __call__(self, z: Array, train: bool = False) -> Array:
         self._check(z, "z", "z_channels", downsampled=False)
+        dtype = self.dtype
         levels = len(self.ch_mult)
         width = self.ch * self.ch_mult[-1]
         res = self.resolution // 2 ** (levels - 1)
-        h = _middle(_conv(width, 3, "conv_in")(z), self.dropout, train)
+        h = _middle(_conv(width, 3, "conv_in", dtype=dtype)(z), self.dropout, train, dtype)
         for level in reversed(range(levels)):
             for i in range(self.num_res_blocks + 1):
                 h = ResnetBlock(
-                    self.ch * self.ch_mult[level], self.dropout, name=f"up_{level}_block_{i}"
+                    self.ch * self.ch_mult[level],
+                    self.dropout,
+                    dtype=dtype,
+                    name=f"up_{level}_block_{i}",
                 )(h, train)
                 if res in self.attn_resolutions:
-                    h = AttnBlock(name=f"up_{level}_attn_{i}")(h)
+                    h = AttnBlock(dtype=dtype, name=f"up_{level}_attn_{i}")(h)
             if level != 0:
-                h = Upsample(name=f"up_{level}_upsample")(h)
+                h = Upsample(dtype=dtype, name=f"up_{level}_upsample")(h)
                 res *= 2
-        h = nn.swish(_normalize("norm_out")(h))
+        h = nn.swish(_normalize("norm_out", dtype)(h))
+        if dtype is not None:
+            h = h.astype(jnp.float32)
         self.sow("intermediates", "pre_conv_out", h)
+        # The last layer in float32: its output is the image the losses compare, and its kernel
+        # the one the adaptive GAN weight differentiates through.
         return _conv(self.out_ch, 3, "conv_out")(h)
 
 
@@ -248,6 +277,9 @@ class VQGAN(_DDConfig):
     quantizer_factory: Any = (
         None  # (n_embed, embed_dim, beta, **quantizer) -> module; default VectorQuantizer
     )
+    # The compute dtype of the encoder and decoder (None: the input's); parameters stay float32,
+    # and the quantizer (distances, codebook updates) and the image out run in float32.
+    dtype: Any = None
 
     def setup(self):
         shared = {name: getattr(self, name) for name in _DDCONFIG_FIELDS}
@@ -256,15 +288,16 @@ class VQGAN(_DDConfig):
             ch_mult=tuple(self.ch_mult),
             attn_resolutions=tuple(self.attn_resolutions),
             dropout=self.dropout,
+            dtype=self.dtype,
         )
         self.encoder = Encoder(in_channels=self.in_channels, double_z=self.double_z, **shared)
         self.decoder = Decoder(out_ch=self.out_ch, **shared)
-        self.quant_conv = nn.Conv(self.embed_dim, (1, 1))
+        self.quant_conv = nn.Conv(self.embed_dim, (1, 1), dtype=jnp.float32)
         factory = self.quantizer_factory or VectorQuantizer
         self.quantize = factory(
             self.n_embed, self.embed_dim, self.beta, **dict(self.quantizer or {})
         )
-        self.post_quant_conv = nn.Conv(self.z_channels, (1, 1))
+        self.post_quant_conv = nn.Conv(self.z_channels, (1, 1), dtype=self.dtype)
 
     def encode(self, x: Array, train: bool = False) -> tuple[Array, Array, dict[str, Array]]:
         """``x [b, H, W, in_channels]`` -> ``(quantized [b, h, w, embed_dim], indices [b, h, w],

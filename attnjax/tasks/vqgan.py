@@ -62,7 +62,7 @@ from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
 from attnjax.tasks import image_metrics
-from attnjax.train import optim, sharding
+from attnjax.train import optim, precision, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model",)
@@ -120,7 +120,9 @@ def create_model(config) -> dict:
     autoencoder = create_autoencoder(config)
     discriminator = None
     if config.loss.get("disc_weight", 0.0) > 0:
-        discriminator = NLayerDiscriminator(**config.discriminator.to_dict())
+        discriminator = NLayerDiscriminator(
+            **config.discriminator.to_dict(), dtype=precision.compute_dtype(config)
+        )
     if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
         logging.warning(
             "config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
@@ -140,6 +142,7 @@ def create_autoencoder(config) -> vqgan.VQGAN:
         beta=config.model.get("beta", 0.25),
         quantizer=_quantizer_options(config),
         quantizer_factory=quantizers.make_quantizer,
+        dtype=precision.compute_dtype(config),
     )
 
 

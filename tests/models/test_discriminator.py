@@ -88,3 +88,17 @@ def test_discriminator_conv_biases_follow_taming(use_actnorm):
     }
     assert ours == taming
     assert all(taming.values()) == use_actnorm
+
+
+@pytest.mark.parametrize("norm", ["batch", "actnorm"])
+def test_bfloat16_discriminator_keeps_float32_parameters_and_logits(norm):
+    images = np.random.default_rng(0).uniform(-1, 1, (4, 16, 16, 3)).astype(np.float32)
+    full = discriminator.NLayerDiscriminator(ndf=8, n_layers=2, norm=norm)
+    half = full.clone(dtype=jnp.bfloat16)
+    variables = half.init(jax.random.key(0), jnp.asarray(images))
+    assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+    logits = half.apply(variables, jnp.asarray(images))
+    expected = full.apply(variables, jnp.asarray(images))
+    assert logits.dtype == jnp.float32
+    error = np.max(np.abs(np.asarray(logits) - expected)) / np.max(np.abs(expected))
+    assert error < 3e-2, error

@@ -165,3 +165,35 @@ def test_bad_inputs_raise_clear_errors():
         taming_convert.vqgan_from_taming(
             {}, dict(DDCONFIGS["levels"], double_z=True), N_EMBED, EMBED_DIM
         )
+
+
+def _relative_to_max(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.max(np.abs(actual - expected)) / np.max(np.abs(expected))
+
+
+def test_bfloat16_compute_keeps_float32_parameters_quantizer_and_image():
+    """dtype=bfloat16: the encoder and decoder compute in bf16 (their convolutions are bf16 in the
+    program), while parameters, the quantizer's input and the image out stay float32; encoder
+    and decoder outputs stay within bf16 rounding of taming's float32 ones."""
+    reference, model, variables, images = _converted("attention")
+    half = model.clone(dtype=jnp.bfloat16)
+    params = jax.eval_shape(half.init, jax.random.key(0), jnp.asarray(images))["params"]
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+
+    with torch.no_grad():
+        latents = reference.encoder(nchw(images))
+        decoded = reference.decoder(latents)
+    encoded = half.apply(variables, jnp.asarray(images), method=lambda m, x: m.encoder(x))
+    assert encoded.dtype == jnp.bfloat16
+    assert _relative_to_max(encoded, nhwc(latents)) < 2e-2
+    image = half.apply(variables, jnp.asarray(nhwc(latents)), method=lambda m, z: m.decoder(z))
+    assert image.dtype == jnp.float32
+    assert _relative_to_max(image, nhwc(decoded)) < 2e-2
+
+    reconstruction, aux = half.apply(variables, jnp.asarray(images))
+    assert reconstruction.dtype == aux["latents"].dtype == aux["loss"].dtype == jnp.float32
+    hlo = jax.jit(half.apply).lower(variables, jnp.asarray(images)).as_text()
+    convolutions = [line for line in hlo.splitlines() if "stablehlo.convolution" in line]
+    float32 = [line for line in convolutions if "bf16" not in line]
+    assert len(convolutions) > 10 and len(float32) == 2, float32  # quant_conv, conv_out

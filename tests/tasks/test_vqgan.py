@@ -157,6 +157,31 @@ def test_eval_losses_are_the_training_losses_with_the_configs_settings(
     assert_close(float(sums["lpips"]) / 40, np.mean(distance), rtol=1e-4, what="eval/lpips")
 
 
+def test_bfloat16_train_step_keeps_float32_state(digits_dir):
+    """config.compute_dtype=bfloat16: the autoencoder and the discriminator compute in bf16; the
+    state (parameters, optimiser, quantizer, batch statistics) stays float32, and the step's
+    reconstruction loss is the float32 model's to bf16 rounding."""
+    config = tiny_vqgan_config(digits_dir, compute_dtype="bfloat16")
+    config.loss.update(disc_weight=0.8, disc_start=0)
+    config.discriminator.update(ndf=8, n_layers=1)
+    model = vqgan_task.create_model(config)
+    assert model["autoencoder"].dtype == model["discriminator"].dtype == jnp.bfloat16
+    batch = next(iter(data.make_datasets(config).train))
+    state = vqgan_task.create_train_state(jax.random.PRNGKey(0), config, model, batch)
+    step = jax.jit(lambda s, b, r: vqgan_task.train_step(s, b, r, config=config, model=model))
+    new_state, metrics = step(state, batch, jax.random.PRNGKey(1))
+    assert {
+        x.dtype for x in jax.tree.leaves(new_state) if jnp.issubdtype(x.dtype, jnp.floating)
+    } == {jnp.dtype(jnp.float32)}
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["disc_loss"]) > 0
+
+    full = model["autoencoder"].clone(dtype=None)
+    variables = {"params": state.params["autoencoder"], "vq_state": state.quantizer_state}
+    rec, _ = full.apply(variables, jnp.asarray(batch["image"]), train=False)
+    l1 = float(jnp.mean(jnp.abs(rec - batch["image"])))
+    assert_close(float(metrics["nll_loss"]), l1, rtol=2e-2, what="bf16 step's L1 vs float32")
+
+
 def test_image_writing_compiles_once(digits_dir, tmp_path):
     """A second evaluation's PNGs reuse the compiled decoder: no new XLA compilation."""
     config = tiny_vqgan_config(digits_dir)
