@@ -34,8 +34,9 @@ equal XLA's to float32 rounding (``tests/ops/test_convolution.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,29 @@ def conv_as_patches(
 # processor measured (benchmarks/results/cpu_rules.md), and timing costs compiles.
 PRODUCT_KERNEL_GRAD_MIN_POSITIONS = 16 * 16
 PRODUCT_KERNEL_GRAD_MIN_CHANNELS = 64 * 64
+
+
+KERNEL_GRADIENT_PATHS = ("xla", "products")
+_forced_kernel_gradient: str | None = None
+
+
+@contextlib.contextmanager
+def forced_kernel_gradient(path: str | None) -> Iterator[None]:
+    """Within the block, every convolution the kernel-gradient rule covers (large maps, idle
+    cores or not) traces with ``path`` (``"xla"`` or ``"products"``) instead of the timed
+    choice; ``None`` restores the rule. For comparing the two in whole models
+    (benchmarks/vqgan_conv_paths.py)."""
+    global _forced_kernel_gradient
+    if path not in (None, *KERNEL_GRADIENT_PATHS):
+        raise ValueError(
+            f"forced_kernel_gradient: path={path!r}, expected one of {KERNEL_GRADIENT_PATHS} "
+            "or None"
+        )
+    previous, _forced_kernel_gradient = _forced_kernel_gradient, path
+    try:
+        yield
+    finally:
+        _forced_kernel_gradient = previous
 
 
 def _cores_left_idle() -> bool:
@@ -223,6 +247,23 @@ def _product_kernel_grad_bwd(strides, pads, precision, residuals, d_out):
 conv_with_product_kernel_grad.defvjp(_product_kernel_grad_fwd, _product_kernel_grad_bwd)
 
 
+def _kernel_gradient_for(lhs, rhs, strides, pads, precision) -> str:
+    """The kernel gradient a plain NHWC convolution traces with: XLA's outside the rule's shapes,
+    else the forced path, else XLA's when every core is busy, else the timed choice."""
+    out_h, out_w = output_spatial(lhs.shape[1:3], rhs.shape[:2], strides, pads)
+    large = (
+        out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
+        and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS
+    )
+    if not large or min(min(p) for p in pads) < 0:
+        return "xla"
+    if _forced_kernel_gradient is not None:
+        return _forced_kernel_gradient
+    if not _cores_left_idle():
+        return "xla"
+    return kernel_gradient_path(lhs.shape, rhs.shape, strides, pads, lhs.dtype, precision)
+
+
 def conv_general_dilated(
     lhs: Array,
     rhs: Array,
@@ -251,20 +292,7 @@ def conv_general_dilated(
         pads = _pads(padding, lhs.shape[1:3], rhs.shape[:2], window_strides)
         if needs_patches(lhs.shape[1:3], rhs.shape[:2], window_strides, pads):
             return conv_as_patches(lhs, rhs, window_strides, pads, precision)
-        out_h, out_w = output_spatial(lhs.shape[1:3], rhs.shape[:2], window_strides, pads)
-        large = (
-            out_h * out_w >= PRODUCT_KERNEL_GRAD_MIN_POSITIONS
-            and rhs.shape[2] * rhs.shape[3] >= PRODUCT_KERNEL_GRAD_MIN_CHANNELS
-        )
-        if (
-            large
-            and min(min(p) for p in pads) >= 0
-            and _cores_left_idle()
-            and kernel_gradient_path(
-                lhs.shape, rhs.shape, window_strides, pads, lhs.dtype, precision
-            )
-            == "products"
-        ):
+        if _kernel_gradient_for(lhs, rhs, window_strides, pads, precision) == "products":
             return conv_with_product_kernel_grad(
                 lhs, rhs, tuple(window_strides), tuple(map(tuple, pads)), precision
             )

@@ -184,6 +184,30 @@ def test_untimed_large_maps_keep_xla_kernel_gradient(monkeypatch):
     assert jax.jit(grad).lower(x, w).as_text().count("convolution(") == 3
 
 
+def test_forced_kernel_gradient_overrides_the_timed_choice_and_the_cores(monkeypatch):
+    """forced_kernel_gradient picks the path for every large map, untimed, busy cores or not;
+    small maps keep XLA's; the rule comes back after the block."""
+    monkeypatch.setattr(convolution, "kernel_gradient_path", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(convolution, "_cores_left_idle", lambda: False)
+
+    def convolutions(shape):
+        x, w = jnp.ones(shape), jnp.ones((3, 3, shape[-1], shape[-1]))
+        grad = jax.grad(
+            lambda *a: _loss(convolution.conv_general_dilated, *a, 1, "SAME"), (0, 1), has_aux=True
+        )
+        return jax.jit(grad).lower(x, w).as_text().count("convolution(")
+
+    with convolution.forced_kernel_gradient("products"):
+        assert convolutions((2, 16, 16, 64)) == 2  # forward and input gradient
+        assert convolutions((2, 8, 8, 64)) == 3  # below the rule's map size
+    with convolution.forced_kernel_gradient("xla"):
+        assert convolutions((2, 16, 16, 64)) == 3
+    assert convolutions((2, 16, 16, 64)) == 3  # busy cores: XLA's, untimed
+    with pytest.raises(ValueError, match=r"path='matmul', expected one of \('xla', 'products'\)"):
+        with convolution.forced_kernel_gradient("matmul"):
+            pass
+
+
 def test_kernel_gradient_candidates_agree_and_the_timed_choice_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cpu_rules.json"))
     monkeypatch.setattr(autotune, "_enabled", True)
