@@ -11,8 +11,8 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/paralle
     then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
     count in its own process.
-Each row times the chosen path and the alternative alternately (A B A B ...), medians of
-``--repeats``, forward + backward. Prints a table with the processor and writes
+Each row times the chosen path and the alternative alternately (A B A B ...), the fastest of
+``--repeats`` calls each, forward + backward. Prints a table with the processor and writes
 ``benchmarks/results/cpu_rules.json`` and ``cpu_rules.md``.
 """
 
@@ -49,9 +49,12 @@ PATCHES_SHAPES = [
     ((32, 2, 2, 512), 3, 512, 1, "SAME", "LPIPS VGG16 at 2x2"),
     ((16, 4, 4, 256), 4, 512, 1, ((1, 1), (1, 1)), "PatchGAN 4x4 kernel, 3x3 output"),
 ]
-# (batch, tokens, heads, head_dim, causal): either side of each threshold, the CIFAR ViT's 65
-# tokens (batch 128, 8 heads of 32) and compare_torch.py's MHA row (16 x 256 tokens).
+# (batch, tokens, heads, head_dim, causal): the digits ViT's and prior's 17 tokens (make demo),
+# either side of each threshold, the CIFAR ViT's 65 tokens (batch 128, 8 heads of 32) and
+# compare_torch.py's MHA row (16 x 256 tokens).
 ATTENTION_SHAPES = [
+    (64, 17, 4, 16, False),
+    (64, 17, 4, 32, True),
     (8, 32, 8, 64, True),
     (8, 64, 8, 64, True),
     (128, 65, 8, 32, False),
@@ -66,10 +69,12 @@ ATTENTION_SHAPES = [
 ]
 
 
-def interleaved_ms(calls: dict, repeats: int) -> dict:
-    """Median ms of each blocking call, after a warm-up, the calls alternating."""
+def fastest_ms(calls: dict, repeats: int) -> dict:
+    """The fastest of ``repeats`` calls of each blocking call in ms, after a warm-up, the calls
+    alternating: the statistic ``attnjax.ops.autotune`` chooses by, the call a passing load
+    disturbed least."""
     times = autotune.alternating_times(calls, repeats)
-    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    return {name: 1e3 * min(t) for name, t in times.items()}
 
 
 def compiled_call(fn, *args):
@@ -102,7 +107,7 @@ def kernel_gradient_rows(repeats):
         args = (lhs, rhs, (1, 1), pads, jnp.float32)
         chosen = convolution.kernel_gradient_path(*args) if timed else "xla"
         candidates = convolution.kernel_gradient_candidates(*args)
-        ms = interleaved_ms({name: build() for name, build in candidates.items()}, repeats)
+        ms = fastest_ms({name: build() for name, build in candidates.items()}, repeats)
         shape = f"{where}: {lhs} * {k}x{k}x{lhs[-1]}x{c_out}" + ("" if timed else " (not timed)")
         rows.append(row("conv_kernel_gradient", shape, chosen, _other(chosen, ms), ms))
     return rows
@@ -126,7 +131,7 @@ def patches_rows(repeats):
 
             return jax.grad(loss, (0, 1))
 
-        ms = interleaved_ms(
+        ms = fastest_ms(
             {
                 "patches": compiled_call(grads(convolution.conv_general_dilated), x, w),
                 "xla": compiled_call(grads(lax.conv_general_dilated), x, w),
@@ -139,6 +144,8 @@ def patches_rows(repeats):
 
 
 def attention_rows(repeats):
+    """Below ``CPU_TIMED_BELOW`` tokens the table times the programs a timed choice times
+    (``attention.cpu_path_candidates``); from there the CPU tiles against the default ones."""
     rows = []
     for batch, length, heads, depth, causal in ATTENTION_SHAPES:
         rng = np.random.default_rng(0)
@@ -146,37 +153,31 @@ def attention_rows(repeats):
             rng.standard_normal((batch, length, heads, depth)).astype(np.float32) for _ in range(3)
         )
         rule = kernel_choice.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
-        chosen = rule
-        if rule != "xla" and length < kernel_choice.CPU_TIMED_BELOW:
-            chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
-        paths = ["xla", "explicit", "blocked"]
-        if length >= kernel_choice.CPU_TIMED_BELOW:
-            paths = ["blocked"]  # the quadratic paths lost by 2x and more on every processor
-        calls = {}
-        for name in paths:
+        if length < kernel_choice.CPU_TIMED_BELOW:
+            chosen = rule
+            if rule != "xla":
+                chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
+            _, candidates = attention.cpu_path_candidates(q, k, v, None, causal)
+            calls = {name: build() for name, build in candidates.items()}
+        else:
+            chosen, calls = rule, {}
+            tiles = {
+                rule: kernel_choice.blocked_tiles("cpu", length, length),
+                "blocked 128x128 tiles": (
+                    kernel_choice.DEFAULT_QUERY_BLOCK,
+                    kernel_choice.DEFAULT_KEY_BLOCK,
+                ),
+            }
+            for name, (query_block, key_block) in tiles.items():
 
-            def loss(q, k, v, name=name):
-                out = attention.dot_product_attention(
-                    q, k, v, is_causal=causal, implementation=name
-                )
-                return jnp.sum(out * jnp.cos(out))
+                def loss(q, k, v, query_block=query_block, key_block=key_block):
+                    out = blocked_attention.blocked_dot_product_attention(
+                        q, k, v, is_causal=causal, query_block=query_block, key_block=key_block
+                    )
+                    return jnp.sum(out * jnp.cos(out))
 
-            calls[name] = compiled_call(jax.grad(loss, (0, 1, 2)), q, k, v)
-        if chosen == "blocked" and length >= kernel_choice.CPU_LONG_BLOCK_FROM:
-
-            def tiles(q, k, v):
-                out = blocked_attention.blocked_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    is_causal=causal,
-                    query_block=blocked_attention.DEFAULT_QUERY_BLOCK,
-                    key_block=blocked_attention.DEFAULT_KEY_BLOCK,
-                )
-                return jnp.sum(out * jnp.cos(out))
-
-            calls["blocked 128x128 tiles"] = compiled_call(jax.grad(tiles, (0, 1, 2)), q, k, v)
-        ms = interleaved_ms(calls, repeats)
+                calls[name] = compiled_call(jax.grad(loss, (0, 1, 2)), q, k, v)
+        ms = fastest_ms(calls, repeats)
         shape = f"{'causal' if causal else 'full'} {batch} x {length} tokens x {heads} x {depth}"
         rows.append(row("attention", shape, chosen, _other(chosen, ms), ms))
     return rows
@@ -222,7 +223,7 @@ def devices_worker(count: int, repeats: int) -> dict:
 
         step, state = jax_train_step(loss, variables["params"])
         calls[name] = Jax(step, state, images, donate=True)
-    return {"devices": jax.device_count(), "ms": interleaved_ms(calls, repeats)}
+    return {"devices": jax.device_count(), "ms": fastest_ms(calls, repeats)}
 
 
 def devices_rows(repeats, rounds: int = 2):
@@ -243,8 +244,8 @@ def devices_rows(repeats, rounds: int = 2):
     rows = []
     for name in times[1][0]:
         ms = {
-            f"{per_core} devices": float(np.median([t[name] for t in times[per_core]])),
-            "1 device": float(np.median([t[name] for t in times[1]])),
+            f"{per_core} devices": min(t[name] for t in times[per_core]),
+            "1 device": min(t[name] for t in times[1]),
         }
         rows.append(row("cpu_devices", name, f"{per_core} devices", "1 device", ms))
     return rows
@@ -261,7 +262,7 @@ below 1."""
 def table(rows, meta) -> str:
     lines = [
         f"Processor: {meta['processor']} ({meta['cores']} cores), jax {meta['jax']}, "
-        f"median of {meta['repeats']}, forward + backward, the candidates alternating; "
+        f"fastest of {meta['repeats']}, forward + backward, the candidates alternating; "
         f"load average before / after: {meta['load_before']} / {meta.get('load_after', '-')}.",
         "",
         "| rule | shape | chosen | ms | alternative | ms | alternative / chosen |",

@@ -323,6 +323,13 @@ def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> st
     (``attnjax.ops.autotune``); ``default`` with the timing off. Which wins below
     ``kernel_choice.CPU_TIMED_BELOW`` tokens depends on the processor's caches, the batch and
     the mask (benchmarks/results/cpu_rules.md)."""
+    key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal)
+    return autotune.choose("cpu_attention", key_text, candidates, default=default)
+
+
+def cpu_path_candidates(query, key, value, mask, is_causal: bool) -> tuple[str, dict]:
+    """``(key, {path: build})`` for ``autotune.choose``: each ``build()`` compiles the path's
+    forward and backward for this call's shapes and returns a call that blocks until done."""
     shapes = [(x.shape, x.dtype) for x in (query, key, value)]
     mask_shape = None if mask is None else jnp.shape(mask)
     mask_dtype = None if mask is None else jnp.result_type(mask)
@@ -354,8 +361,7 @@ def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> st
         f"mask {None if mask is None else (tuple(mask_shape), jnp.dtype(mask_dtype).name)}"
     )
     names = ["explicit", "blocked"] + (["xla"] if query.shape[-1] == value.shape[-1] else [])
-    candidates = {name: (lambda name=name: build(name)) for name in names}
-    return autotune.choose("cpu_attention", key_text, candidates, default=default)
+    return key_text, {name: (lambda name=name: build(name)) for name in names}
 
 
 def _fold_leading(x, leading: tuple):
