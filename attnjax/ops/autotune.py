@@ -32,8 +32,9 @@ ENV_SWITCH = "ATTNJAX_CPU_AUTOTUNE"
 ENV_CACHE = "ATTNJAX_CPU_AUTOTUNE_CACHE"
 REPEATS = 7
 # Another candidate replaces the default only when at least this much faster: closer timings are
-# within the noise of a few repetitions, and the default is the program every machine runs.
-MARGIN = 0.05
+# within the noise of the fastest of REPEATS calls (benchmarks/results/cpu_rules.md), and the
+# default is the program every machine runs with the timing off.
+MARGIN = 0.02
 
 _enabled: bool | None = None  # set_enabled's override of $ATTNJAX_CPU_AUTOTUNE
 _choices: dict[str, str] = {}  # this process's choices, read from or written to the cache
