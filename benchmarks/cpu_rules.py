@@ -6,9 +6,9 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/paralle
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
-  * attention: XLA's fused attention below ``EXPLICIT_MIN_LENGTH_CPU`` tokens; up to
-    ``CPU_TIMED_BELOW`` the fused, explicit or blocked path, timed once per shape on the machine;
-    then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
+  * attention: below ``CPU_TIMED_BELOW`` tokens the fused, explicit or blocked path, timed once
+    per shape on the machine; then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM``
+    tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
     count in its own process.
 Each row times the chosen path and the alternative alternately (A B A B ...), the fastest of
@@ -154,9 +154,7 @@ def attention_rows(repeats):
         )
         rule = kernel_choice.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
         if length < kernel_choice.CPU_TIMED_BELOW:
-            chosen = rule
-            if rule != "xla":
-                chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
+            chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
             _, candidates = attention.cpu_path_candidates(q, k, v, None, causal)
             calls = {name: build() for name, build in candidates.items()}
         else:
@@ -184,9 +182,9 @@ def attention_rows(repeats):
 
 
 def devices_worker(count: int, repeats: int) -> dict:
-    """In a fresh process: ms per train step of the digits VQGAN (configs/vqgan_digits.py's
-    model, batch 32) and compare_torch.py's VQGAN (ch 64, 32 px, batch 16) on ``count`` CPU
-    devices, the batch split over them as train.py splits it."""
+    """In a fresh process: ms per train step on ``count`` CPU devices, the batch split over them
+    as train.py splits it: the digits VQGAN task's own step (configs/vqgan_digits.py, batch 32,
+    what ``make demo`` trains) and compare_torch.py's VQGAN autoencoder (ch 64, 32 px, batch 16)."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from torch_vs_jax import Jax, jax_train_step, use_devices
 
@@ -195,34 +193,36 @@ def devices_worker(count: int, repeats: int) -> dict:
 
     import configs.vqgan_digits
     from attnjax.models import vqgan
+    from attnjax.tasks import vqgan as vqgan_task
 
-    digits = configs.vqgan_digits.get_config().model
-    models = {
-        "digits VQGAN autoencoder step, batch 32": (
-            dict(digits.ddconfig),
-            digits.n_embed,
-            digits.embed_dim,
-            32,
-        ),
-        "VQGAN ch64 32px autoencoder step, batch 16": (DDCONFIG, 512, 64, 16),
-    }
+    rng = np.random.default_rng(0)
     calls = {}
-    for name, (ddconfig, n_embed, embed_dim, batch) in models.items():
-        model = vqgan.create_vqgan(ddconfig, n_embed, embed_dim, quantizer={"legacy": True})
-        size, channels = ddconfig["resolution"], ddconfig["in_channels"]
-        images = np.random.default_rng(0).uniform(-1, 1, (batch, size, size, channels))
-        images = images.astype(np.float32)
-        variables = model.init(jax.random.key(0), images[:1])
-        vq_state = variables.get("vq_state", {})
+    digits = configs.vqgan_digits.get_config()
+    model = vqgan_task.create_model(digits)
+    images = rng.uniform(-1, 1, (digits.batch_size, 16, 16, 1)).astype(np.float32)
+    state = vqgan_task.create_train_state(jax.random.key(0), digits, model, {"image": images})
 
-        def loss(params, images, model=model, vq_state=vq_state):
-            (rec, aux), _ = model.apply(
-                {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
-            )
-            return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
+    def digits_step(state, images):
+        batch, key = {"image": images}, jax.random.key(1)
+        return vqgan_task.train_step(state, batch, key, config=digits, model=model)[0]
 
-        step, state = jax_train_step(loss, variables["params"])
-        calls[name] = Jax(step, state, images, donate=True)
+    calls["digits VQGAN train step (the task's), batch 32"] = Jax(
+        digits_step, state, images, donate=True
+    )
+
+    model = vqgan.create_vqgan(DDCONFIG, 512, 64, quantizer={"legacy": True})
+    images = rng.uniform(-1, 1, (16, 32, 32, 3)).astype(np.float32)
+    variables = model.init(jax.random.key(0), images[:1])
+    vq_state = variables.get("vq_state", {})
+
+    def loss(params, images):
+        (rec, aux), _ = model.apply(
+            {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
+        )
+        return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
+
+    step, state = jax_train_step(loss, variables["params"])
+    calls["VQGAN ch64 32px autoencoder step, batch 16"] = Jax(step, state, images, donate=True)
     return {"devices": jax.device_count(), "ms": fastest_ms(calls, repeats)}
 
 
@@ -253,16 +253,17 @@ def devices_rows(repeats, rounds: int = 2):
 
 NOTE = """`python benchmarks/cpu_rules.py` (JSON: [cpu_rules.json](cpu_rules.json)). *chosen* is the
 path attnjax takes on this machine: a fixed rule, or a choice timed once per shape
-(`attnjax.ops.autotune`, made afresh for this table, the default kept unless another path is 5%
-faster); *alternative* is the fastest other path. The milliseconds are a second measurement,
-apart from the one behind a timed choice, so a choice within the noise can show a ratio a little
-below 1."""
+(`attnjax.ops.autotune`, made afresh for this table, the default kept unless another path is 2%
+faster); *alternative* is the fastest other path. The milliseconds are a second measurement of
+the same programs, apart from the one behind a timed choice: the fastest of at least 7 calls
+each, more for short calls (0.1 s of calls per candidate), the candidates alternating."""
 
 
 def table(rows, meta) -> str:
     lines = [
         f"Processor: {meta['processor']} ({meta['cores']} cores), jax {meta['jax']}, "
-        f"fastest of {meta['repeats']}, forward + backward, the candidates alternating; "
+        f"fastest of at least {meta['repeats']} calls, forward + backward, the candidates "
+        "alternating; "
         f"load average before / after: {meta['load_before']} / {meta.get('load_after', '-')}.",
         "",
         "| rule | shape | chosen | ms | alternative | ms | alternative / chosen |",

@@ -18,6 +18,7 @@ program on every machine get it. The candidates' outputs agree to float32 roundi
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -31,6 +32,10 @@ from attnjax.ops.platform import processor
 ENV_SWITCH = "ATTNJAX_CPU_AUTOTUNE"
 ENV_CACHE = "ATTNJAX_CPU_AUTOTUNE_CACHE"
 REPEATS = 7
+# Short calls are repeated until each candidate has run this long: the fastest of 7 calls of a
+# millisecond differs by 5-10% from one measurement to the next, of 100 such calls by 1-2%.
+MIN_SECONDS = 0.1
+MAX_REPEATS = 1000
 # Another candidate replaces the default only when at least this much faster: closer timings are
 # within the noise of the fastest of REPEATS calls (benchmarks/results/cpu_rules.md), and the
 # default is the program every machine runs with the timing off.
@@ -96,11 +101,20 @@ def time_candidates(
     return {name: min(t) for name, t in times.items()}
 
 
-def alternating_times(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, list]:
-    """Seconds of ``repeats`` calls of each blocking call, after one warm-up call each, the
-    calls alternating (A B A B ...)."""
+def alternating_times(
+    calls: dict[str, Callable[[], object]], repeats: int, min_seconds: float = MIN_SECONDS
+) -> dict[str, list]:
+    """Seconds of at least ``repeats`` calls of each blocking call, after one warm-up call each,
+    the calls alternating (A B A B ...); more calls where the fastest candidate's would add up
+    to less than ``min_seconds``."""
     for call in calls.values():
         call()
+    shortest = float("inf")
+    for call in calls.values():
+        start = time.perf_counter()
+        call()
+        shortest = min(shortest, time.perf_counter() - start)
+    repeats = max(repeats, min(MAX_REPEATS, math.ceil(min_seconds / max(shortest, 1e-6))))
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():

@@ -1,6 +1,7 @@
 """attnjax.ops.autotune: the switch, the margin and the on-disk cache, with fake timings."""
 
 import json
+import time
 
 import pytest
 
@@ -65,3 +66,15 @@ def test_switched_off_the_default_is_chosen_untimed(cache, monkeypatch):
 def test_real_timings_are_per_candidate():
     seconds = autotune.time_candidates({"noop": lambda: lambda: None}, repeats=3)
     assert list(seconds) == ["noop"] and seconds["noop"] >= 0.0
+
+
+def test_short_calls_are_repeated_until_min_seconds():
+    calls = []
+
+    def call():
+        calls.append(None)
+        time.sleep(0.002)
+
+    times = autotune.alternating_times({"a": call}, repeats=3, min_seconds=0.05)
+    assert 10 <= len(times["a"]) <= 26, len(times["a"])  # about 0.05 s / 2 ms, never below 3
+    assert len(calls) == len(times["a"]) + 2  # one warm-up call and one to size the repeats
