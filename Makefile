@@ -16,7 +16,7 @@ $(PY):
 COMPILE := $(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 
 $(VENV)/.installed: $(PY) pyproject.toml
-	$(PIP) install --quiet --no-compile -e .
+	$(PIP) install --quiet --no-compile --no-build-isolation -e .
 	$(COMPILE)
 	touch $@
 
@@ -24,7 +24,7 @@ $(VENV)/.installed: $(PY) pyproject.toml
 # as dependencies although its `taming.modules` need only torch, hence --no-deps.
 # The dev extra holds the runtime install too: one pip resolution and one compile for both.
 $(VENV)/.installed-dev: $(PY) pyproject.toml
-	$(PIP) install --quiet --no-compile -e ".[dev]"
+	$(PIP) install --quiet --no-compile --no-build-isolation -e ".[dev]"
 	$(PIP) install --quiet --no-compile --no-deps taming-transformers==0.0.1
 	$(COMPILE)
 	touch $(VENV)/.installed $@
