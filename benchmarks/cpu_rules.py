@@ -6,9 +6,9 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/paralle
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
-  * attention: below ``CPU_TIMED_BELOW`` tokens the fused, explicit or blocked path, timed once
-    per shape on the machine; then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM``
-    tokens;
+  * attention: XLA's fused attention below ``EXPLICIT_MIN_LENGTH_CPU`` tokens; up to
+    ``CPU_TIMED_BELOW`` the fused, explicit or blocked path, timed once per shape on the machine;
+    then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
     count in its own process.
 Each row times the chosen path and the alternative alternately (A B A B ...), the fastest of
@@ -154,7 +154,9 @@ def attention_rows(repeats):
         )
         rule = kernel_choice.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
         if length < kernel_choice.CPU_TIMED_BELOW:
-            chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
+            chosen = rule
+            if rule != "xla":
+                chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
             _, candidates = attention.cpu_path_candidates(q, k, v, None, causal)
             calls = {name: build() for name, build in candidates.items()}
         else:

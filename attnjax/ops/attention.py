@@ -217,7 +217,10 @@ def platform_choices(query, key, value, mask, is_causal: bool) -> dict:
         )
         for platform in (*kernel_choice.PLATFORMS, kernel_choice.DEFAULT)
     }
-    if max(length, key_length) < kernel_choice.CPU_TIMED_BELOW:
+    if (
+        choices["cpu"] in ("explicit", "blocked")
+        and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW
+    ):
         choices["cpu"] = timed_cpu_path(query, key, value, mask, is_causal, choices["cpu"])
     return choices
 
