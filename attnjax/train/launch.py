@@ -42,10 +42,6 @@ def process_env(base: dict, *, index: int, count: int, port: int, devices_per_pr
         JAX_PROCESS_ID=str(index),
         PYTHONUNBUFFERED="1",
     )
-    # The processes share this machine's cores: one compiles each program and hands the others
-    # its binary through the coordinator, instead of each compiling the same program. JAX does
-    # this where a persistent compilation cache ($JAX_COMPILATION_CACHE_DIR) names the program.
-    env.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
     if devices_per_process:
         env["XLA_FLAGS"] = with_cpu_device_count(env.get("XLA_FLAGS", ""), devices_per_process)
         env["JAX_PLATFORMS"] = "cpu"

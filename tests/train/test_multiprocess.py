@@ -295,15 +295,6 @@ def test_launch_environment_and_bad_input(monkeypatch):
     assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
     assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("2", "1")
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=2"
-    assert env["JAX_SHARE_BINARY_BETWEEN_HOSTS"] == "true"  # one process compiles for all
-    kept = launch.process_env(
-        {"JAX_SHARE_BINARY_BETWEEN_HOSTS": "false"},
-        index=0,
-        count=2,
-        port=1,
-        devices_per_process=0,
-    )
-    assert kept["JAX_SHARE_BINARY_BETWEEN_HOSTS"] == "false"
     with pytest.raises(ValueError, match="--processes=0"):
         launch.launch(["train.py"], processes=0)
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
