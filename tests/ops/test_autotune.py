@@ -75,6 +75,7 @@ def test_short_calls_are_repeated_until_min_seconds():
         calls.append(None)
         time.sleep(0.002)
 
-    times = autotune.alternating_times({"a": call}, repeats=3, min_seconds=0.05)
-    assert 10 <= len(times["a"]) <= 26, len(times["a"])  # about 0.05 s / 2 ms, never below 3
+    times = autotune.alternating_times({"a": call}, repeats=3, min_seconds=0.2)
+    # About 0.2 s / 2 ms calls; a loaded machine stretches the sleeps and so sizes fewer.
+    assert 10 <= len(times["a"]) <= 101, len(times["a"])
     assert len(calls) == len(times["a"]) + 2  # one warm-up call and one to size the repeats
