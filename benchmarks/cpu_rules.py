@@ -188,10 +188,10 @@ def devices_worker(count: int, repeats: int) -> dict:
     as train.py splits it: the digits VQGAN task's own step (configs/vqgan_digits.py, batch 32,
     what ``make demo`` trains) and compare_torch.py's VQGAN autoencoder (ch 64, 32 px, batch 16)."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from torch_vs_jax import Jax, jax_train_step, use_devices
+    from torch_vs_jax import Jax, use_devices
 
     use_devices(count)
-    from rows_vqgan import DDCONFIG
+    from rows_vqgan import DDCONFIG, autoencoder_step
 
     import configs.vqgan_digits
     from attnjax.models import vqgan
@@ -215,16 +215,7 @@ def devices_worker(count: int, repeats: int) -> dict:
     model = vqgan.create_vqgan(DDCONFIG, 512, 64, quantizer={"legacy": True})
     images = rng.uniform(-1, 1, (16, 32, 32, 3)).astype(np.float32)
     variables = model.init(jax.random.key(0), images[:1])
-    vq_state = variables.get("vq_state", {})
-
-    def loss(params, images):
-        (rec, aux), _ = model.apply(
-            {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
-        )
-        return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
-
-    step, state = jax_train_step(loss, variables["params"])
-    calls["VQGAN ch64 32px autoencoder step, batch 16"] = Jax(step, state, images, donate=True)
+    calls["VQGAN ch64 32px autoencoder step, batch 16"] = autoencoder_step(model, variables, images)
     return {"devices": jax.device_count(), "ms": fastest_ms(calls, repeats)}
 
 

@@ -40,6 +40,20 @@ DDCONFIG = dict(
 )
 
 
+def autoencoder_step(model, variables, images) -> Jax:
+    """The attnjax side of the autoencoder rows: L1 + codebook loss, AdamW, compiled."""
+    vq_state = variables.get("vq_state", {})
+
+    def loss(params, images):
+        (rec, aux), _ = model.apply(
+            {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
+        )
+        return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
+
+    step, state = jax_train_step(loss, variables["params"])
+    return Jax(step, state, images, donate=True)
+
+
 def vqgan_autoencoder(batch):
     from taming.modules.diffusionmodules.model import Decoder, Encoder
     from taming.modules.vqvae.quantize import VectorQuantizer
@@ -65,18 +79,9 @@ def vqgan_autoencoder(batch):
         rec = reference["decoder"](reference["post_quant_conv"](quantized))
         return (rec - timages).abs().mean() + codebook_loss
 
-    vq_state = variables.get("vq_state", {})
-
-    def loss(params, images):
-        (rec, aux), _ = model.apply(
-            {"params": params, "vq_state": vq_state}, images, train=True, mutable=["vq_state"]
-        )
-        return jnp.mean(jnp.abs(rec - images)) + aux["loss"]
-
-    step, state = jax_train_step(loss, variables["params"])
     return (
         f"VQGAN autoencoder train step 32px ch64 batch {batch}",
-        Jax(step, state, images, donate=True),
+        autoencoder_step(model, variables, images),
         torch_train_step(reference, torch_loss),
     )
 
