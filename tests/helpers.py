@@ -322,6 +322,13 @@ def assert_relative(actual, expected, tol=1e-5, what="value"):
     assert_close(actual, expected, rtol=tol, atol=tol * float(np.abs(expected).max()), what=what)
 
 
+def relative_to_max(actual, expected) -> float:
+    """``max |actual - expected| / max |expected|``: the error of a lower-precision computation
+    on the scale of its output."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
 def randomise_norms(module, generator):
     """Default GroupNorm/BatchNorm affines are 1 and 0: perturb them so that their conversion
     counts."""

@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, assert_relative, nchw, nhwc, randomise_norms
+from helpers import (
+    assert_close,
+    assert_relative,
+    nchw,
+    nhwc,
+    randomise_norms,
+    relative_to_max,
+)
 from taming.modules.diffusionmodules.model import Decoder as TorchDecoder
 from taming.modules.diffusionmodules.model import Encoder as TorchEncoder
 from taming.modules.vqvae.quantize import VectorQuantizer as TorchVectorQuantizer
@@ -167,11 +174,6 @@ def test_bad_inputs_raise_clear_errors():
         )
 
 
-def _relative_to_max(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.max(np.abs(actual - expected)) / np.max(np.abs(expected))
-
-
 def test_bfloat16_compute_keeps_float32_parameters_quantizer_and_image():
     """dtype=bfloat16: the encoder and decoder compute in bf16 (their convolutions are bf16 in the
     program), while parameters, the quantizer's input and the image out stay float32; encoder
@@ -186,10 +188,10 @@ def test_bfloat16_compute_keeps_float32_parameters_quantizer_and_image():
         decoded = reference.decoder(latents)
     encoded = half.apply(variables, jnp.asarray(images), method=lambda m, x: m.encoder(x))
     assert encoded.dtype == jnp.bfloat16
-    assert _relative_to_max(encoded, nhwc(latents)) < 2e-2
+    assert relative_to_max(encoded, nhwc(latents)) < 2e-2
     image = half.apply(variables, jnp.asarray(nhwc(latents)), method=lambda m, z: m.decoder(z))
     assert image.dtype == jnp.float32
-    assert _relative_to_max(image, nhwc(decoded)) < 2e-2
+    assert relative_to_max(image, nhwc(decoded)) < 2e-2
 
     reconstruction, aux = half.apply(variables, jnp.asarray(images))
     assert reconstruction.dtype == aux["latents"].dtype == aux["loss"].dtype == jnp.float32
