@@ -214,7 +214,6 @@ def test_memory_grows_linearly_with_length():
 def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch, tmp_path):
     """Between the explicit threshold and CPU_TIMED_BELOW tokens the path is timed once per shape
     (faked here: outcomes never hang on timing), each with the same values and gradients."""
-    length = kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3
     monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cpu_rules.json"))
     monkeypatch.setattr(autotune, "_enabled", True)
     monkeypatch.setattr(autotune, "_choices", {})
@@ -225,6 +224,7 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch
         return {name: 0.5 if name == fastest else 1.0 for name in candidates}
 
     monkeypatch.setattr(autotune, "time_candidates", time_candidates)
+    length = kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, length, 2, 8)).astype(np.float32) for _ in range(3))
     mask = rng.random((length, length)) > 0.2
