@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import resource
 import tempfile
 
@@ -31,6 +30,7 @@ from timing import median_seconds
 from torch_vs_jax import add_cpu_devices_flag, device, use_devices
 
 from attnjax.convert.common import make_torchvision_importable
+from attnjax.ops.platform import processor
 
 make_torchvision_importable()  # timm and lpips import torchvision
 
@@ -57,14 +57,8 @@ def rows(quick, directory):
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
-            )
     return {
-        "cpu": cpu,
+        "cpu": processor(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "jax": jax.__version__,

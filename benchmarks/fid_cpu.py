@@ -23,13 +23,14 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from attnjax.ops.platform import processor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -61,15 +62,6 @@ make_torchvision_importable()
 from helpers import random_fid_inception
 torch.save(random_fid_inception().state_dict(), sys.argv[1])
 """
-
-
-def _processor() -> str:
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _prepare(workdir: pathlib.Path, images: int) -> dict[str, str]:
@@ -126,7 +118,7 @@ def main(argv=None):
         "image_size": 32,
         "batch_size": BATCH,
         "dims": 2048,
-        "processor": _processor(),
+        "processor": processor(),
         "cpu_cores": len(os.sched_getaffinity(0)),
         "jax": jax.__version__,
         "torch": torch.__version__,
