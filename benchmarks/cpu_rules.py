@@ -1,6 +1,6 @@
 """Every CPU-specific rule of attnjax against its alternative, on the processor at hand.
 
-    python benchmarks/cpu_rules.py [--repeats 7] [--no-devices]
+    python benchmarks/cpu_rules.py [--repeats 7] [--rounds 5] [--no-devices]
 
 The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/parallel.py``):
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
@@ -11,8 +11,9 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/paralle
     then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
     count in its own process.
-Each row times the chosen path and the alternative alternately (A B A B ...), the fastest of
-``--repeats`` calls each, forward + backward. Prints a table with the processor and writes
+Each row times the chosen path and the alternative alternately (A B A B ...), forward +
+backward: the fastest of ``--repeats`` calls each (more for short calls), in ``--rounds`` rounds,
+the median round reported. Prints a table with the processor and writes
 ``benchmarks/results/cpu_rules.json`` and ``cpu_rules.md``.
 """
 
@@ -49,12 +50,16 @@ PATCHES_SHAPES = [
     ((32, 2, 2, 512), 3, 512, 1, "SAME", "LPIPS VGG16 at 2x2"),
     ((16, 4, 4, 256), 4, 512, 1, ((1, 1), (1, 1)), "PatchGAN 4x4 kernel, 3x3 output"),
 ]
-# (batch, tokens, heads, head_dim, causal): the digits ViT's and prior's 17 tokens (make demo),
-# either side of each threshold, the CIFAR ViT's 65 tokens (batch 128, 8 heads of 32) and
-# compare_torch.py's MHA row (16 x 256 tokens).
+# (batch, tokens, heads, head_dim, causal): the digits ViT's and prior's 17 tokens and the digits
+# VQGAN's one-head mid-block attention over its 4x4 codes, train and eval batches (make demo), a
+# two-head causal 17-token shape, either side of each threshold, the CIFAR ViT's 65 tokens (batch
+# 128, 8 heads of 32) and compare_torch.py's MHA row (16 x 256 tokens).
 ATTENTION_SHAPES = [
     (64, 17, 4, 16, False),
     (64, 17, 4, 32, True),
+    (32, 16, 1, 64, False),
+    (360, 16, 1, 64, False),
+    (64, 17, 2, 8, True),
     (8, 32, 8, 64, True),
     (8, 64, 8, 64, True),
     (128, 65, 8, 32, False),
@@ -69,12 +74,19 @@ ATTENTION_SHAPES = [
 ]
 
 
+ROUNDS = 5
+
+
 def fastest_ms(calls: dict, repeats: int) -> dict:
-    """The fastest of ``repeats`` calls of each blocking call in ms, after a warm-up, the calls
-    alternating: the statistic ``attnjax.ops.autotune`` chooses by, the call a passing load
-    disturbed least."""
-    times = autotune.alternating_times(calls, repeats)
-    return {name: 1e3 * min(t) for name, t in times.items()}
+    """Per blocking call, the fastest of ``repeats`` calls in ms, after a warm-up, the calls
+    alternating (the statistic ``attnjax.ops.autotune`` chooses by, the call a passing load
+    disturbed least), measured in ``ROUNDS`` rounds -> ``{name: [ms per round]}``: a millisecond
+    call's fastest moves by 5-25% between minutes on a shared machine."""
+    per_round = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, t in autotune.alternating_times(calls, repeats).items():
+            per_round[name].append(1e3 * min(t))
+    return per_round
 
 
 def compiled_call(fn, *args):
@@ -83,14 +95,18 @@ def compiled_call(fn, *args):
 
 
 def row(rule, shape, chosen, alternative, ms):
+    """``ms``: ``{name: [ms per round]}``; the row gives the median rounds and the range of the
+    rounds' ratios."""
+    ratios = [a / c for a, c in zip(ms[alternative], ms[chosen])]
     return dict(
         rule=rule,
         shape=shape,
         chosen=chosen,
         alternative=alternative,
-        chosen_ms=ms[chosen],
-        alternative_ms=ms[alternative],
-        ratio=ms[alternative] / ms[chosen],
+        chosen_ms=float(np.median(ms[chosen])),
+        alternative_ms=float(np.median(ms[alternative])),
+        ratio=float(np.median(ms[alternative]) / np.median(ms[chosen])),
+        ratio_range=[min(ratios), max(ratios)],
     )
 
 
@@ -114,7 +130,7 @@ def kernel_gradient_rows(repeats):
 
 
 def _other(chosen, ms):
-    return min((name for name in ms if name != chosen), key=ms.get)
+    return min((name for name in ms if name != chosen), key=lambda name: np.median(ms[name]))
 
 
 def patches_rows(repeats):
@@ -228,7 +244,10 @@ def devices_rows(repeats, rounds: int = 2):
     times = {1: [], per_core: []}
     for count in counts:
         out = subprocess.run(
-            [sys.executable, __file__, "--devices-worker", str(count), "--repeats", str(repeats)],
+            [
+                *(sys.executable, __file__, "--devices-worker", str(count)),
+                *("--repeats", str(repeats), "--rounds", str(ROUNDS)),
+            ],
             check=True,
             capture_output=True,
             text=True,
@@ -237,8 +256,8 @@ def devices_rows(repeats, rounds: int = 2):
     rows = []
     for name in times[1][0]:
         ms = {
-            f"{per_core} devices": min(t[name] for t in times[per_core]),
-            "1 device": min(t[name] for t in times[1]),
+            f"{per_core} devices": [x for t in times[per_core] for x in t[name]],
+            "1 device": [x for t in times[1] for x in t[name]],
         }
         rows.append(row("cpu_devices", name, f"{per_core} devices", "1 device", ms))
     return rows
@@ -249,36 +268,42 @@ path attnjax takes on this machine: a fixed rule, or a choice timed once per sha
 (`attnjax.ops.autotune`, made afresh for this table, the default kept unless another path is 2%
 faster); *alternative* is the fastest other path. The milliseconds are a second measurement of
 the same programs, apart from the one behind a timed choice: the fastest of at least 7 calls
-each, more for short calls (0.1 s of calls per candidate), the candidates alternating."""
+each, more for short calls (0.1 s of calls per candidate), the candidates alternating, in 5
+rounds: the medians, and in brackets the range of the rounds' ratios."""
 
 
 def table(rows, meta) -> str:
     lines = [
         f"Processor: {meta['processor']} ({meta['cores']} cores), jax {meta['jax']}, "
-        f"fastest of at least {meta['repeats']} calls, forward + backward, the candidates "
-        "alternating; "
+        f"fastest of at least {meta['repeats']} calls, median of {meta['rounds']} rounds, "
+        "forward + backward, the candidates alternating; "
         f"load average before / after: {meta['load_before']} / {meta.get('load_after', '-')}.",
         "",
-        "| rule | shape | chosen | ms | alternative | ms | alternative / chosen |",
+        "| rule | shape | chosen | ms | alternative | ms | alternative / chosen (rounds) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        low, high = r["ratio_range"]
         lines.append(
             f"| {r['rule']} | {r['shape']} | {r['chosen']} | {r['chosen_ms']:.2f} "
-            f"| {r['alternative']} | {r['alternative_ms']:.2f} | {r['ratio']:.2f} |"
+            f"| {r['alternative']} | {r['alternative_ms']:.2f} "
+            f"| {r['ratio']:.2f} ({low:.2f}-{high:.2f}) |"
         )
     return "\n".join(lines)
 
 
 def main():
+    global ROUNDS
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--no-devices", action="store_true", help="skip the cpu_devices rows")
     parser.add_argument("--devices-worker", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "cpu_rules.json"))
     args = parser.parse_args()
+    ROUNDS = args.rounds
     if args.devices_worker:
         print(json.dumps(devices_worker(args.devices_worker, args.repeats)))
         return
@@ -288,6 +313,7 @@ def main():
         cores=cpu_cores(),
         jax=jax.__version__,
         repeats=args.repeats,
+        rounds=ROUNDS,
         load_before=" ".join(f"{x:.2f}" for x in os.getloadavg()),
     )
     rows = []
