@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +37,9 @@ REPEATS = 7
 # millisecond differs by 5-10% from one measurement to the next, of 100 such calls by 1-2%.
 MIN_SECONDS = 0.1
 MAX_REPEATS = 1000
+# The choice takes the median of this many rounds: one round's fastest, at millisecond calls, has
+# favoured the path that every later round found slower (benchmarks/results/cpu_rules.md).
+ROUNDS = 3
 # Another candidate replaces the default only when at least this much faster: closer timings are
 # within the noise of the fastest of REPEATS calls (benchmarks/results/cpu_rules.md), and the
 # default is the program every machine runs with the timing off.
@@ -90,15 +94,21 @@ def _write(path: pathlib.Path, name: str, entry: dict) -> None:
 
 
 def time_candidates(
-    candidates: dict[str, Callable[[], Callable[[], object]]], repeats: int = REPEATS
+    candidates: dict[str, Callable[[], Callable[[], object]]],
+    repeats: int = REPEATS,
+    rounds: int = ROUNDS,
 ) -> dict[str, float]:
-    """The fastest of ``repeats`` calls of each candidate in seconds, after one warm-up call each.
-    The calls alternate (A B A B ...), so a load that comes and goes weighs on every candidate
-    alike, and the minimum is the call it disturbed least."""
+    """Per candidate, the fastest of ``repeats`` calls in seconds, after one warm-up call each,
+    measured in ``rounds`` rounds: the median round. The calls alternate (A B A B ...), so a load
+    that comes and goes weighs on every candidate alike, and the minimum is the call it disturbed
+    least."""
     with jax.ensure_compile_time_eval():
         calls = {name: build() for name, build in candidates.items()}
-        times = alternating_times(calls, repeats)
-    return {name: min(t) for name, t in times.items()}
+        per_round = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, t in alternating_times(calls, repeats).items():
+                per_round[name].append(min(t))
+    return {name: statistics.median(t) for name, t in per_round.items()}
 
 
 def alternating_times(

@@ -68,6 +68,16 @@ def test_real_timings_are_per_candidate():
     assert list(seconds) == ["noop"] and seconds["noop"] >= 0.0
 
 
+def test_timings_are_the_median_round(monkeypatch):
+    """A first round that favours "a" is outvoted by the two after it, which favour "b"."""
+    rounds = iter(
+        [{"a": [1.0, 1.5], "b": [2.0]}, {"a": [3.0], "b": [2.5]}, {"a": [4.0], "b": [2.0]}]
+    )
+    monkeypatch.setattr(autotune, "alternating_times", lambda calls, repeats: next(rounds))
+    candidates = {"a": lambda: lambda: None, "b": lambda: lambda: None}
+    assert autotune.time_candidates(candidates, rounds=3) == {"a": 3.0, "b": 2.0}
+
+
 def test_short_calls_are_repeated_until_min_seconds():
     calls = []
 
