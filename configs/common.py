@@ -82,6 +82,9 @@ def classification(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     config.init_from = ""  # optional .npz of pretrained params
     config.model_name = "vit"
     config.model = ml_collections.ConfigDict()  # attnjax.models.vit.create_vit fields (+ variant)
+    # Recompute each block's activations in the backward pass: memory for compute (the compile
+    # command's refusal names it, so `--config.model.remat=True` must find the field).
+    config.model.remat = False
     config.weight_decay = 0.05
     config.grad_clip_norm = 1.0
     config.label_smoothing = 0.1
