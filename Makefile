@@ -12,7 +12,7 @@ $(PY):
 
 # pip writes the installed files' bytecode one file at a time, most of the install's time (torch
 # alone has thousands); compileall does the same on every core. It skips the packages' own test
-# suites and the packages nothing here imports (a quarter of the files; Python compiles any of them
+# suites and the packages nothing here imports (a fifth of the files; Python compiles any of them
 # when first imported). It reports the files written for newer Pythons than this one (pip skips
 # those too), hence the `|| true`.
 UNIMPORTED := /(tests?|networkx|pip|prompt_toolkit|pyarrow)/

@@ -5,9 +5,10 @@
 
 For each of remat off/on and FSDP off/on (``--variants``), the config's train step is compiled
 for the target (``attnjax.compile.programs``, what ``python -m attnjax.compile`` compiles) at two
-per-device batches; a program's memory per device is affine in its batch, so the two give the
-batch where it would reach the chip's memory, rounded down to ``--multiple``. That batch is then
-compiled and must fit, and the next multiple must not: the row gives both compiled figures.
+per-device batches (``--probes``), then at the batch where the line through the two largest
+compiled batches reaches the chip's memory, rounded down to ``--multiple``, until a batch fits
+and the next multiple does not: the memory per device is close to affine in the batch, but not
+everywhere (remat with FSDP), so every figure in a row is a compiled one.
 Predictions from compiled programs, nothing runs. Appends rows to
 ``benchmarks/results/largest_batch.json`` and rewrites ``largest_batch.md``.
 """
