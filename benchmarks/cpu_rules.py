@@ -82,11 +82,8 @@ def fastest_ms(calls: dict, repeats: int) -> dict:
     alternating (the statistic ``attnjax.ops.autotune`` chooses by, the call a passing load
     disturbed least), measured in ``ROUNDS`` rounds -> ``{name: [ms per round]}``: a millisecond
     call's fastest moves by 5-25% between minutes on a shared machine."""
-    per_round = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, t in autotune.alternating_times(calls, repeats).items():
-            per_round[name].append(1e3 * min(t))
-    return per_round
+    per_round = autotune.fastest_per_round(calls, repeats, ROUNDS)
+    return {name: [1e3 * t for t in seconds] for name, seconds in per_round.items()}
 
 
 def compiled_call(fn, *args):

@@ -104,11 +104,20 @@ def time_candidates(
     least."""
     with jax.ensure_compile_time_eval():
         calls = {name: build() for name, build in candidates.items()}
-        per_round = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, t in alternating_times(calls, repeats).items():
-                per_round[name].append(min(t))
+        per_round = fastest_per_round(calls, repeats, rounds)
     return {name: statistics.median(t) for name, t in per_round.items()}
+
+
+def fastest_per_round(
+    calls: dict[str, Callable[[], object]], repeats: int, rounds: int
+) -> dict[str, list[float]]:
+    """``{name: [seconds of the fastest call of each round]}``: ``rounds`` rounds of
+    ``alternating_times``."""
+    per_round = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, t in alternating_times(calls, repeats).items():
+            per_round[name].append(min(t))
+    return per_round
 
 
 def alternating_times(
