@@ -74,26 +74,11 @@ def train_bytes(config, task, target, per_device: int) -> tuple[int | None, floa
 
 def largest(config, task, target, multiple: int, probes: tuple[int, int]) -> dict:
     memory = target.memory_per_device
-    measured = {}
-    seconds = 0.0
-    for batch in probes:
-        measured[batch], took = train_bytes(config, task, target, batch)
-        seconds += took
-        print(f"  per-device batch {batch}: {_gib(measured[batch])} GiB ({took:.0f} s)", flush=True)
-    low, high = probes
-    if measured[low] is None or measured[low] > memory:
-        return {"largest": 0, "probes": measured, "compile_seconds": seconds}
-    if measured[high] is None:
-        guess = low
-    else:
-        per_example = (measured[high] - measured[low]) / (high - low)
-        fixed = measured[low] - per_example * low
-        guess = int((memory - fixed) / per_example) if per_example > 0 else high
-    # Compile at the batch the line through the two largest compiled batches puts at the chip's
-    # memory, until a batch fits and the next multiple does not.
+    measured, seconds = {}, 0.0
     fits_at, fails_at = None, None
-    batch = max(multiple, guess // multiple * multiple)
+    pending = list(probes)
     while True:
+        batch = pending.pop(0) if pending else _next(measured, memory, multiple, fits_at, fails_at)
         used, took = train_bytes(config, task, target, batch)
         seconds += took
         measured[batch] = used
@@ -103,21 +88,13 @@ def largest(config, task, target, multiple: int, probes: tuple[int, int]) -> dic
             fits_at = batch if fits_at is None else max(fits_at, batch)
         else:
             fails_at = batch if fails_at is None else min(fails_at, batch)
+        if pending:
+            continue
         if fits_at is not None and fails_at is not None and fails_at - fits_at <= multiple:
             break
         if fails_at is not None and fails_at <= multiple:
             fits_at = 0
             break
-        points = sorted((b, m) for b, m in measured.items() if m is not None)
-        low_end = fits_at + multiple if fits_at is not None else multiple
-        high_end = fails_at - multiple if fails_at is not None else 1 << 30
-        guess = batch + multiple if ok else batch - multiple
-        if len(points) >= 2:
-            (b1, m1), (b2, m2) = points[-2], points[-1]
-            slope = (m2 - m1) / (b2 - b1)
-            if slope > 0:
-                guess = int((memory - (m2 - slope * b2)) / slope) // multiple * multiple
-        batch = min(max(guess, low_end), high_end)
     return {
         "largest": fits_at,
         "bytes_at_largest": measured.get(fits_at),
@@ -126,6 +103,25 @@ def largest(config, task, target, multiple: int, probes: tuple[int, int]) -> dic
         "probes": {str(k): v for k, v in measured.items()},
         "compile_seconds": seconds,
     }
+
+
+def _next(measured: dict, memory: int, multiple: int, fits_at, fails_at) -> int:
+    """The multiple of ``multiple`` where the line through the two largest compiled batches
+    reaches ``memory``, strictly between the largest batch that fits and the smallest that does
+    not; halfway between them where the line points past the one that does not (the compiler
+    refused it: no bytes to fit), a step past the fitting one where no line is known."""
+    low_end = fits_at + multiple if fits_at is not None else multiple
+    high_end = fails_at - multiple if fails_at is not None else 1 << 30
+    guess = low_end if fails_at is None else high_end
+    points = sorted((b, m) for b, m in measured.items() if m is not None)
+    if len(points) >= 2:
+        (b1, m1), (b2, m2) = points[-2], points[-1]
+        slope = (m2 - m1) / (b2 - b1)
+        if slope > 0:
+            guess = int((memory - (m2 - slope * b2)) / slope) // multiple * multiple
+    if fails_at is not None and guess >= high_end:  # the line says nothing (a refusal): halve
+        guess = (low_end + high_end) // 2 // multiple * multiple
+    return min(max(guess, low_end), high_end)
 
 
 def _gib(value) -> str:
