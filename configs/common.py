@@ -100,6 +100,7 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.data = data
     config.model = ml_collections.ConfigDict()
     config.model.beta = 0.25
+    config.model.remat = False  # recompute the encoder's and decoder's blocks: memory for compute
     config.model.quantizer = ml_collections.ConfigDict(
         dict(
             kind="vq",  # or "fsq", "lfq", "simvq" (attnjax/models/quantizers.py)
@@ -154,9 +155,10 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
     # unconditional model, for classifier-free guidance
     config.data = ml_collections.ConfigDict(dict(train_shifts=0))
     config.model_name = "gpt"
+    # + n_layer, n_head, n_embd; remat recomputes each block in the backward pass
     config.model = ml_collections.ConfigDict(
-        dict(embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
-    )  # + n_layer, n_head, n_embd
+        dict(embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1, remat=False)
+    )
     config.sampling = ml_collections.ConfigDict(
         dict(
             temperature=1.0,

@@ -157,7 +157,7 @@ def _advice(config) -> str:
     levers = ["lower config.batch_size (raise config.grad_accum_steps to keep the update's batch)"]
     if dict(config.get("mesh") or {}).get("fsdp", 1) in (1, "1"):
         levers.append("set config.mesh.fsdp > 1 (split parameters and optimiser state)")
-    if "remat" in config.get("model", {}) or config.get("model_name") == "vit":
+    if config.get("model", {}).get("remat") is False:
         levers.append("set config.model.remat=True")
     return "; ".join(levers)
 

@@ -71,8 +71,10 @@ class Block(nn.Module):
     decode: bool = False
     dtype: Any = None
 
+    # ``deterministic`` may come positionally: ``nn.remat`` holds only positional arguments
+    # static, and a traced flag could not switch dropout.
     @nn.compact
-    def __call__(self, x, *, deterministic: bool = True):
+    def __call__(self, x, deterministic: bool = True):
         y = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln1")(x)
         y = MultiHeadAttention(
             num_heads=self.n_head,
@@ -107,6 +109,7 @@ class GPT(nn.Module):
     attn_pdrop: float = 0.0
     decode: bool = False
     dtype: Any = None  # computation dtype (e.g. jnp.bfloat16); parameters stay float32
+    remat: bool = False  # recompute each block in the backward pass: memory for compute
 
     @nn.compact
     def __call__(self, indices, *, deterministic: bool = True):
@@ -133,15 +136,17 @@ class GPT(nn.Module):
             tokens.dtype
         )
         x = nn.Dropout(self.embd_pdrop)(x, deterministic=deterministic)
+        # Sampling keeps its caches and takes no gradient: nothing for remat to save there.
+        block = nn.remat(Block, static_argnums=(2,)) if self.remat and not self.decode else Block
         for i in range(self.n_layer):
-            x = Block(
+            x = block(
                 self.n_head,
                 self.attn_pdrop,
                 self.resid_pdrop,
                 self.decode,
                 dtype=self.dtype,
                 name=f"blocks_{i}",
-            )(x, deterministic=deterministic)
+            )(x, deterministic)
         x = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln_f")(x)
         head = nn.Dense(
             self.vocab_size, use_bias=False, kernel_init=_INIT, dtype=self.dtype, name="head"

@@ -177,12 +177,21 @@ _DDCONFIG_FIELDS = (
 )
 
 
-def _middle(h: Array, dropout: float, train: bool, dtype) -> Array:
+def _blocks(remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
+    """``(ResnetBlock, AttnBlock)``, recomputed in the backward pass when ``remat``: their
+    activations are not kept, only their inputs (``train``, argument 2, stays static)."""
+    if not remat:
+        return ResnetBlock, AttnBlock
+    return nn.remat(ResnetBlock, static_argnums=(2,)), nn.remat(AttnBlock)
+
+
+def _middle(h: Array, dropout: float, train: bool, dtype, remat: bool) -> Array:
     """ResNet, attention, ResNet at the lowest resolution; named as taming's ``mid`` submodules
     inside the calling ``Encoder``/``Decoder``."""
-    h = ResnetBlock(h.shape[-1], dropout, dtype=dtype, name="mid_block_1")(h, train)
-    h = AttnBlock(dtype=dtype, name="mid_attn_1")(h)
-    return ResnetBlock(h.shape[-1], dropout, dtype=dtype, name="mid_block_2")(h, train)
+    resnet, attention = _blocks(remat)
+    h = resnet(h.shape[-1], dropout, dtype=dtype, name="mid_block_1")(h, train)
+    h = attention(dtype=dtype, name="mid_attn_1")(h)
+    return resnet(h.shape[-1], dropout, dtype=dtype, name="mid_block_2")(h, train)
 
 
 class Encoder(_DDConfig):
@@ -194,24 +203,26 @@ class Encoder(_DDConfig):
     double_z: bool = True
     dropout: float = 0.0
     dtype: Any = None  # the compute dtype (None: the input's); parameters stay float32
+    remat: bool = False  # recompute the ResNet and attention blocks in the backward pass
 
     @nn.compact
     def __call__(self, x: Array, train: bool = False) -> Array:
         self._check(x, "x", "in_channels", downsampled=True)
         dtype = self.dtype
+        resnet, attention = _blocks(self.remat)
         h = _conv(self.ch, 3, "conv_in", dtype=dtype)(x)
         res = self.resolution
         for level, mult in enumerate(self.ch_mult):
             for i in range(self.num_res_blocks):
-                h = ResnetBlock(
+                h = resnet(
                     self.ch * mult, self.dropout, dtype=dtype, name=f"down_{level}_block_{i}"
                 )(h, train)
                 if res in self.attn_resolutions:
-                    h = AttnBlock(dtype=dtype, name=f"down_{level}_attn_{i}")(h)
+                    h = attention(dtype=dtype, name=f"down_{level}_attn_{i}")(h)
             if level != len(self.ch_mult) - 1:
                 h = Downsample(dtype=dtype, name=f"down_{level}_downsample")(h)
                 res //= 2
-        h = _middle(h, self.dropout, train, dtype)
+        h = _middle(h, self.dropout, train, dtype, self.remat)
         h = nn.swish(_normalize("norm_out", dtype)(h))
         z_channels = 2 * self.z_channels if self.double_z else self.z_channels
         return _conv(z_channels, 3, "conv_out", dtype=dtype)(h)
@@ -226,25 +237,28 @@ class Decoder(_DDConfig):
     out_ch: int
     dropout: float = 0.0
     dtype: Any = None  # the compute dtype (None: the input's); parameters stay float32
+    remat: bool = False  # recompute the ResNet and attention blocks in the backward pass
 
     @nn.compact
     def __call__(self, z: Array, train: bool = False) -> Array:
         self._check(z, "z", "z_channels", downsampled=False)
         dtype = self.dtype
+        resnet, attention = _blocks(self.remat)
         levels = len(self.ch_mult)
         width = self.ch * self.ch_mult[-1]
         res = self.resolution // 2 ** (levels - 1)
-        h = _middle(_conv(width, 3, "conv_in", dtype=dtype)(z), self.dropout, train, dtype)
+        h = _conv(width, 3, "conv_in", dtype=dtype)(z)
+        h = _middle(h, self.dropout, train, dtype, self.remat)
         for level in reversed(range(levels)):
             for i in range(self.num_res_blocks + 1):
-                h = ResnetBlock(
+                h = resnet(
                     self.ch * self.ch_mult[level],
                     self.dropout,
                     dtype=dtype,
                     name=f"up_{level}_block_{i}",
                 )(h, train)
                 if res in self.attn_resolutions:
-                    h = AttnBlock(dtype=dtype, name=f"up_{level}_attn_{i}")(h)
+                    h = attention(dtype=dtype, name=f"up_{level}_attn_{i}")(h)
             if level != 0:
                 h = Upsample(dtype=dtype, name=f"up_{level}_upsample")(h)
                 res *= 2
@@ -280,6 +294,7 @@ class VQGAN(_DDConfig):
     # The compute dtype of the encoder and decoder (None: the input's); parameters stay float32,
     # and the quantizer (distances, codebook updates) and the image out run in float32.
     dtype: Any = None
+    remat: bool = False  # recompute the encoder's and decoder's blocks in the backward pass
 
     def setup(self):
         shared = {name: getattr(self, name) for name in _DDCONFIG_FIELDS}
@@ -289,6 +304,7 @@ class VQGAN(_DDConfig):
             attn_resolutions=tuple(self.attn_resolutions),
             dropout=self.dropout,
             dtype=self.dtype,
+            remat=self.remat,
         )
         self.encoder = Encoder(in_channels=self.in_channels, double_z=self.double_z, **shared)
         self.decoder = Decoder(out_ch=self.out_ch, **shared)

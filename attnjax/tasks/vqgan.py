@@ -143,6 +143,7 @@ def create_autoencoder(config) -> vqgan.VQGAN:
         quantizer=_quantizer_options(config),
         quantizer_factory=quantizers.make_quantizer,
         dtype=precision.compute_dtype(config),
+        remat=config.model.get("remat", False),
     )
 
 

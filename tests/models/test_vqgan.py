@@ -123,9 +123,12 @@ def test_full_encode_quantize_decode_matches_taming(converted):
     assert_relative(from_indices, nhwc(expected), what="decode_indices")
 
 
-def test_gradients_match_taming():
-    """The straight-through estimator and legacy loss: gradients of one scalar agree."""
+@pytest.mark.parametrize("remat", [False, True])
+def test_gradients_match_taming(remat):
+    """The straight-through estimator and legacy loss: gradients of one scalar agree, with the
+    blocks' activations kept or recomputed in the backward pass."""
     reference, model, variables, images = _converted("attention")
+    model = model.clone(remat=remat)
     weights = np.random.default_rng(1).normal(
         size=images.shape[:3] + (reference.decoder.conv_out.out_channels,)
     )
@@ -139,6 +142,10 @@ def test_gradients_match_taming():
         return jnp.sum(reconstruction * weights) + aux["loss"]
 
     grads = jax.jit(jax.grad(objective))(variables["params"])
+    jaxpr = str(jax.make_jaxpr(jax.grad(objective))(variables["params"]))
+    # Encoder: 2 ResNet blocks with 1 attention at the 8x8 level, the middle 2 + 1; decoder: 4
+    # and 2 there, the middle 2 + 1.
+    assert jaxpr.count("remat2[") == (15 if remat else 0)
     torch_grads = dict(reference.named_parameters())
     for torch_name, ours in [
         ("encoder.conv_in.weight", grads["encoder"]["conv_in"]["kernel"]),
