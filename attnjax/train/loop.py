@@ -225,6 +225,7 @@ def compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
     train_step = dp.compile_train_step(
         functools.partial(task.train_step, config=config, model=model),
         dp.state_shardings(state) if dp.mode == "jit" else None,
+        parallel.train_step_compiler_options(config, dp.mesh) if dp.mode == "jit" else None,
     )
     eval_step = dp.compile_eval_step(functools.partial(task.eval_step, config=config, model=model))
     return train_step, eval_step

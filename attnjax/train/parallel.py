@@ -173,6 +173,18 @@ def run_devices(config) -> list | None:
     return jax.devices()[:wanted] if wanted < jax.device_count() else None
 
 
+def train_step_compiler_options(config, mesh) -> dict:
+    """XLA options for the train step on ``mesh``. With ``config.model.remat`` on XLA:GPU over
+    several devices, the gradients' all-reduce runs synchronously: asynchronous, its scheduling
+    keeps every recomputed block's activations alive, and remat then saves almost no memory
+    (benchmarks/results/largest_batch.md). The all-reduce no longer overlaps the backward pass:
+    remat already trades time for memory."""
+    remat = bool((config.get("model") or {}).get("remat", False))
+    if remat and mesh.size > 1 and mesh.devices.flat[0].platform == "gpu":
+        return {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+    return {}
+
+
 class DataParallel:
     """Placement and compilation for one ``mode`` (``"jit"`` or ``"pmap"``).
 
@@ -282,12 +294,15 @@ class DataParallel:
 
     # ---- compilation ------------------------------------------------------------------------
 
-    def compile_train_step(self, train_step: Callable, state_shardings=None) -> Callable:
+    def compile_train_step(
+        self, train_step: Callable, state_shardings=None, compiler_options=None
+    ) -> Callable:
         """``train_step(state, batch, rng, axis_name=...)`` -> compiled ``step(state, batch, rng)``.
 
         ``rng`` is one key; under pmap each device folds in its index (dropout differs per
         device slice, as it does across a global batch under jit). ``state_shardings`` (jit):
-        the layout the new state keeps (``state_shardings(state)``; default replicated).
+        the layout the new state keeps (``state_shardings(state)``; default replicated);
+        ``compiler_options``: XLA's, for the jit (``train_step_compiler_options``).
         """
         if self.mode == "pmap":
 
@@ -298,7 +313,12 @@ class DataParallel:
             return jax.pmap(per_device, axis_name=AXIS, in_axes=(0, 0, None), donate_argnums=(0,))
         step = self.traced_on_mesh(functools.partial(train_step, axis_name=None))
         state_out = self.replicated if state_shardings is None else state_shardings
-        return jax.jit(step, out_shardings=(state_out, self.replicated), donate_argnums=(0,))
+        return jax.jit(
+            step,
+            out_shardings=(state_out, self.replicated),
+            donate_argnums=(0,),
+            compiler_options=compiler_options or None,
+        )
 
     def compile_eval_step(self, eval_step: Callable) -> Callable:
         """``eval_step(state, batch) -> sums`` -> compiled function returning global sums."""
