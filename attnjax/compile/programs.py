@@ -172,7 +172,13 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
     plans = {
         "train": (
             train_step,
-            functools.partial(task.train_step, config=config, model=model, axis_name=None),
+            # model FLOPs: what remat recomputes is not counted
+            functools.partial(
+                task.train_step,
+                config=config,
+                model=performance.without_remat(model),
+                axis_name=None,
+            ),
             (placed, place_batch(train_batch), rng),
             train_size,
         ),

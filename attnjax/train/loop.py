@@ -280,6 +280,16 @@ class _Throughput:
         self.tick = time.perf_counter()
 
 
+def _model_flops_step(run: _Run) -> Callable:
+    """The step whose products MFU counts: the train step, or where the model recomputes its
+    blocks (remat), the same step traced without recomputing them (traced, never compiled)."""
+    plain = performance.without_remat(run.model)
+    if plain is run.model:
+        return run.train_step
+    step = functools.partial(run.task.train_step, config=run.config, model=plain, axis_name=None)
+    return jax.jit(run.dp.traced_on_mesh(step))
+
+
 def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any, dict]:
     """Steps ``start + 1 .. num_train_steps``, logging, evaluating and saving on schedule ->
     ``(state, result)``. Raises ``Preempted`` after saving when ``stop`` asks for it."""
@@ -297,7 +307,7 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
         last = step == num_steps
         if step % config.log_every == 0 or last:
             if run.dp.mode == "jit":  # the step's FLOPs, for MFU: the shapes it just ran on
-                run.utilization.count(run.train_step, state, batch, step_keys(step - 1))
+                run.utilization.count(_model_flops_step(run), state, batch, step_keys(step - 1))
             result.update(_log_train(run, step, pending, throughput))
             pending = []
         if step % config.eval_every == 0 or last:

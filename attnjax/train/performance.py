@@ -94,6 +94,18 @@ def product_flops(jaxpr) -> tuple[float, bool]:
     return total, unknown
 
 
+def without_remat(model):
+    """``model`` (a module, or a dict of them as a task's ``create_model`` may return) with
+    ``remat=False`` wherever it was on; the same object where nothing changes. A step's
+    recomputed forward passes are not model FLOPs, which MFU counts."""
+    if isinstance(model, dict):
+        plain = {name: without_remat(module) for name, module in model.items()}
+        return model if all(plain[name] is model[name] for name in model) else plain
+    if getattr(model, "remat", False):
+        return model.clone(remat=False)
+    return model
+
+
 def peak_of(devices, config=None) -> tuple[float, str]:
     """``(FLOP/s of all ``devices`` together, its source)``. A CPU's rate is measured for the
     whole machine (one product uses every core), so CPU devices are not added up."""

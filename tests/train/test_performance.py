@@ -49,3 +49,32 @@ def test_profile_steps_are_a_range(text, steps):
 def test_bad_profile_steps_are_named(text):
     with pytest.raises(ValueError, match=f"config.profile_steps={text!r}"):
         performance.parse_steps(text)
+
+
+def test_recomputed_blocks_are_not_model_flops():
+    """A remat model's gradient runs each block's forward twice; MFU counts it once."""
+    from attnjax.models import vit
+
+    model = vit.ViT(
+        num_classes=10, patch_size=4, width=32, depth=2, num_heads=2, mlp_dim=64, remat=True
+    )
+    images = jnp.ones((4, 16, 16, 3))
+    params = jax.eval_shape(model.init, jax.random.key(0), images)["params"]
+
+    def step_flops(module):
+        loss = lambda p: module.apply({"params": p}, images).sum()  # noqa: E731
+        return performance.traced_flops(jax.grad(loss), params)
+
+    plain = performance.without_remat(model)
+    assert plain.remat is False and model.remat is True
+    assert step_flops(model) > step_flops(plain) == step_flops(model.clone(remat=False))
+    # What is recomputed: the blocks' forward, the model's less its embedding and head.
+    blocks = model.clone(depth=1).apply, model.clone(depth=2).apply
+    one, two = (
+        performance.traced_flops(lambda p: f({"params": p}, images), params) for f in blocks
+    )
+    # Each of the two blocks recomputed at most once; partial evaluation may keep some of it.
+    assert two - one <= step_flops(model) - step_flops(plain) <= 2 * (two - one)
+    both = {"a": model, "b": None}
+    assert performance.without_remat(both)["a"].remat is False
+    assert performance.without_remat({"b": plain}) == {"b": plain}
