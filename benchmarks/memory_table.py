@@ -14,8 +14,10 @@ vocab 16384 codes + 1000 classes, block 256 + 1):
   layered models the full depth is extrapolated from compiled 1- and 2-layer models
   (``act(L) = act(1) + (L - 1) * (act(2) - act(1))``); with per-block remat the backward keeps
   each block's input ``[tokens, width]`` and recomputes one block at a time:
-  ``act_remat(L) = act(1) + (L - 1) * tokens * width * 4`` bytes. The VQGAN is compiled whole
-  and has no remat option;
+  ``act_remat(L) = act(1) + (L - 1) * tokens * width * 4`` bytes. The VQGAN is compiled whole,
+  without remat: XLA:CPU's schedule keeps the recomputed activations alive, so a compiled remat
+  figure says nothing here (docs/scaling.md); ``benchmarks/largest_batch.py``'s H100 programs
+  have the VQGAN's;
 * model state per device = parameters + gradients + optimiser state (16 bytes per parameter
   with AdamW); data parallelism holds all of it on every device, FSDP ``1 / devices`` of it;
 * examples / device: the largest per-device batch whose activations (with remat where the
@@ -159,14 +161,14 @@ def vqgan_row(name):
         )
         return jnp.sum(reconstruction) + jnp.sum(logits)
 
-    activations = temp_bytes(loss, params, (images, state.params["vq_state"], state.batch_stats))
+    inputs = (images, state.quantizer_state or {}, state.batch_stats)
     return dict(
         model=name,
         parameters=tree_size(params),
         param_bytes=tree_bytes(params),
         optimizer_bytes=tree_bytes(opt_state),
-        activation_bytes=activations,
-        activation_bytes_remat=None,
+        activation_bytes=temp_bytes(loss, params, inputs),
+        activation_bytes_remat=None,  # XLA:CPU's schedule: see the module docstring
     )
 
 
