@@ -128,6 +128,32 @@ def _gib(value) -> str:
     return "refused" if value is None else f"{value / GIB:.2f}"
 
 
+def ordered(rows) -> list:
+    return sorted(rows, key=lambda r: (r["name"], r["target"], list(VARIANTS).index(r["variant"])))
+
+
+def commands(rows) -> str:
+    """The command behind each (name, target), every variant at once, for the results file."""
+    lines = {}
+    for r in ordered(rows):
+        settings = "".join(f" --set {s!r}" if " " in s else f" --set {s}" for s in r["settings"])
+        probes = ",".join(list(r["probes"])[:2])
+        lines.setdefault(
+            (r["name"], r["target"]),
+            f"- `python benchmarks/largest_batch.py --config {r['config']} --target {r['target']} "
+            f"--name {r['name']}{settings} --probes {probes}`",
+        )
+    return "\n".join(lines.values())
+
+
+def markdown(rows) -> str:
+    return (
+        f"# Largest batches\n\n{NOTE}\n\n{table(ordered(rows))}\n\n"
+        f"Commands (GPU targets with `JAX_PLATFORMS=cpu` in the environment of `make test-cuda`):"
+        f"\n\n{commands(rows)}\n"
+    )
+
+
 def table(rows) -> str:
     lines = [
         "| name | target | variant | largest per-device batch | GiB per device there | next "
@@ -190,7 +216,7 @@ def main():
             row["name"], row["target"], row["variant"])]  # fmt: skip
         rows.append(row)
         out.write_text(json.dumps(rows, indent=1) + "\n")
-        out.with_suffix(".md").write_text(f"# Largest batches\n\n{NOTE}\n\n{table(rows)}\n")
+        out.with_suffix(".md").write_text(markdown(rows))
         print(table([row]), flush=True)
 
 
