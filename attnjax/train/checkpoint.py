@@ -38,6 +38,10 @@ CONFIG_FILE = "config.json"
 # Config fields besides ``task`` that define the model a checkpoint holds, for a task that
 # declares none (a task's ``IDENTITY_FIELDS``); a resumed run must agree on them.
 DEFAULT_IDENTITY_FIELDS = ("model",)
+# Fields inside those that say how a step computes, not what the checkpoint holds: a run may
+# resume with remat switched on to fit a smaller device, or from a config written before the
+# field existed.
+NOT_IDENTITY = ("remat",)
 
 
 def _checkpoint_dir(workdir: str, best: bool = False) -> str:
@@ -75,6 +79,12 @@ def write_config(workdir: str, config) -> None:
         json.dump(_jsonable(config), f, indent=2, sort_keys=True)
 
 
+def _identity(value):
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in NOT_IDENTITY}
+    return value
+
+
 def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENTITY_FIELDS) -> None:
     """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model: one whose
     config differs from ``config`` in ``task`` or one of ``fields``."""
@@ -82,9 +92,9 @@ def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENT
         return
     saved, current = _jsonable(read_config(workdir)), _jsonable(config)
     differ = {
-        k: (saved.get(k), current.get(k))
+        k: (_identity(saved.get(k)), _identity(current.get(k)))
         for k in ("task", *fields)
-        if saved.get(k) != current.get(k)
+        if _identity(saved.get(k)) != _identity(current.get(k))
     }
     if differ:
         details = "; ".join(

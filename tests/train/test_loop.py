@@ -160,7 +160,8 @@ def test_bad_configs_fail_before_training_and_leave_the_workdir_alone(short_run,
         with pytest.raises(ValueError, match=message):
             train_and_evaluate(config, workdir)
         assert snapshot(workdir) == before, field
-    # Rerunning the finished run trains nothing and reports the same final evaluation.
+    # Rerunning the finished run trains nothing and reports the same final evaluation, remat
+    # switched off or not (the configs above have it off: it is no part of the model's identity).
     config, _, result = short_run
     again = train_and_evaluate(config, workdir)
     assert again["step"] == 8 and again["eval/accuracy"] == result["eval/accuracy"]
