@@ -185,10 +185,10 @@ def _blocks(remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
     return nn.remat(ResnetBlock, static_argnums=(2,)), nn.remat(AttnBlock)
 
 
-def _middle(h: Array, dropout: float, train: bool, dtype, remat: bool) -> Array:
+def _middle(h: Array, dropout: float, train: bool, dtype, blocks) -> Array:
     """ResNet, attention, ResNet at the lowest resolution; named as taming's ``mid`` submodules
-    inside the calling ``Encoder``/``Decoder``."""
-    resnet, attention = _blocks(remat)
+    inside the calling ``Encoder``/``Decoder``; ``blocks``: ``_blocks``' pair."""
+    resnet, attention = blocks
     h = resnet(h.shape[-1], dropout, dtype=dtype, name="mid_block_1")(h, train)
     h = attention(dtype=dtype, name="mid_attn_1")(h)
     return resnet(h.shape[-1], dropout, dtype=dtype, name="mid_block_2")(h, train)
@@ -222,7 +222,7 @@ class Encoder(_DDConfig):
             if level != len(self.ch_mult) - 1:
                 h = Downsample(dtype=dtype, name=f"down_{level}_downsample")(h)
                 res //= 2
-        h = _middle(h, self.dropout, train, dtype, self.remat)
+        h = _middle(h, self.dropout, train, dtype, (resnet, attention))
         h = nn.swish(_normalize("norm_out", dtype)(h))
         z_channels = 2 * self.z_channels if self.double_z else self.z_channels
         return _conv(z_channels, 3, "conv_out", dtype=dtype)(h)
@@ -248,7 +248,7 @@ class Decoder(_DDConfig):
         width = self.ch * self.ch_mult[-1]
         res = self.resolution // 2 ** (levels - 1)
         h = _conv(width, 3, "conv_in", dtype=dtype)(z)
-        h = _middle(h, self.dropout, train, dtype, self.remat)
+        h = _middle(h, self.dropout, train, dtype, (resnet, attention))
         for level in reversed(range(levels)):
             for i in range(self.num_res_blocks + 1):
                 h = resnet(

@@ -91,11 +91,8 @@ def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENT
     if latest_step(workdir) is None or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
         return
     saved, current = _jsonable(read_config(workdir)), _jsonable(config)
-    differ = {
-        k: (_identity(saved.get(k)), _identity(current.get(k)))
-        for k in ("task", *fields)
-        if _identity(saved.get(k)) != _identity(current.get(k))
-    }
+    pairs = {k: (_identity(saved.get(k)), _identity(current.get(k))) for k in ("task", *fields)}
+    differ = {k: (a, b) for k, (a, b) in pairs.items() if a != b}
     if differ:
         details = "; ".join(
             f"config.{k}: checkpoint has {a!r}, config has {b!r}" for k, (a, b) in differ.items()

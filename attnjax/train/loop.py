@@ -306,7 +306,8 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
         run.bar.update(1)
         last = step == num_steps
         if step % config.log_every == 0 or last:
-            if run.dp.mode == "jit":  # the step's FLOPs, for MFU: the shapes it just ran on
+            # The step's FLOPs, for MFU, counted once: the shapes it just ran on.
+            if run.dp.mode == "jit" and run.utilization.flops_per_step is None:
                 run.utilization.count(_model_flops_step(run), state, batch, step_keys(step - 1))
             result.update(_log_train(run, step, pending, throughput))
             pending = []
