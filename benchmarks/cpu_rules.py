@@ -6,15 +6,16 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/paralle
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
-  * attention: XLA's fused attention below ``EXPLICIT_MIN_LENGTH_CPU`` tokens; up to
-    ``CPU_TIMED_BELOW`` the fused, explicit or blocked path, timed once per shape on the machine;
-    then blocked, with the CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
+  * attention: up to ``CPU_TIMED_BELOW`` tokens the fused, explicit or blocked path, timed once
+    per shape on the machine, forward + backward for a differentiated call, forward only for
+    the others (explicit, untimed, below ``EXPLICIT_MIN_LENGTH_CPU``); then blocked, with the
+    CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
     count in its own process.
 Each row times the chosen path and the alternative alternately (A B A B ...), forward +
-backward: the fastest of ``--repeats`` calls each (more for short calls), in ``--rounds`` rounds,
-the median round reported. Prints a table with the processor and writes
-``benchmarks/results/cpu_rules.json`` and ``cpu_rules.md``.
+backward (rows marked "forward only": the forward): the fastest of ``--repeats`` calls each
+(more for short calls), in ``--rounds`` rounds, the median round reported. Prints a table with
+the processor and writes ``benchmarks/results/cpu_rules.json`` and ``cpu_rules.md``.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def patches_rows(repeats):
 
 def attention_rows(repeats):
     """Below ``CPU_TIMED_BELOW`` tokens the table times the programs a timed choice times
-    (``attention.cpu_path_candidates``); from there the CPU tiles against the default ones."""
+    (``attention.cpu_path_candidates``), forward + backward (a differentiated call's choice) and
+    forward only (a forward-only call's); from there the CPU tiles against the default ones."""
     rows = []
     for batch, length, heads, depth, causal in ATTENTION_SHAPES:
         rng = np.random.default_rng(0)
@@ -166,33 +168,37 @@ def attention_rows(repeats):
             rng.standard_normal((batch, length, heads, depth)).astype(np.float32) for _ in range(3)
         )
         rule = kernel_choice.choose_implementation("cpu", jnp.float32, length, length, 64, 64)
-        if length < kernel_choice.CPU_TIMED_BELOW:
-            chosen = rule
-            if rule != "xla":
-                chosen = attention.timed_cpu_path(q, k, v, None, causal, rule)
-            _, candidates = attention.cpu_path_candidates(q, k, v, None, causal)
-            calls = {name: build() for name, build in candidates.items()}
-        else:
-            chosen, calls = rule, {}
-            tiles = {
-                rule: kernel_choice.blocked_tiles("cpu", length, length),
-                "blocked 128x128 tiles": (
-                    kernel_choice.DEFAULT_QUERY_BLOCK,
-                    kernel_choice.DEFAULT_KEY_BLOCK,
-                ),
-            }
-            for name, (query_block, key_block) in tiles.items():
-
-                def loss(q, k, v, query_block=query_block, key_block=key_block):
-                    out = blocked_attention.blocked_dot_product_attention(
-                        q, k, v, is_causal=causal, query_block=query_block, key_block=key_block
-                    )
-                    return jnp.sum(out * jnp.cos(out))
-
-                calls[name] = compiled_call(jax.grad(loss, (0, 1, 2)), q, k, v)
-        ms = fastest_ms(calls, repeats)
         shape = f"{'causal' if causal else 'full'} {batch} x {length} tokens x {heads} x {depth}"
-        rows.append(row("attention", shape, chosen, _other(chosen, ms), ms))
+        if length < kernel_choice.CPU_TIMED_BELOW:
+            for backward, choose in (
+                (True, attention.timed_cpu_path),
+                (False, attention.forward_cpu_path),
+            ):
+                chosen = choose(q, k, v, None, causal, rule)
+                _, candidates = attention.cpu_path_candidates(q, k, v, None, causal, backward)
+                ms = fastest_ms({name: build() for name, build in candidates.items()}, repeats)
+                name = "attention" if backward else "attention, forward only"
+                rows.append(row(name, shape, chosen, _other(chosen, ms), ms))
+            continue
+        calls = {}
+        tiles = {
+            rule: kernel_choice.blocked_tiles("cpu", length, length),
+            "blocked 128x128 tiles": (
+                kernel_choice.DEFAULT_QUERY_BLOCK,
+                kernel_choice.DEFAULT_KEY_BLOCK,
+            ),
+        }
+        for name, (query_block, key_block) in tiles.items():
+
+            def loss(q, k, v, query_block=query_block, key_block=key_block):
+                out = blocked_attention.blocked_dot_product_attention(
+                    q, k, v, is_causal=causal, query_block=query_block, key_block=key_block
+                )
+                return jnp.sum(out * jnp.cos(out))
+
+            calls[name] = compiled_call(jax.grad(loss, (0, 1, 2)), q, k, v)
+        ms = fastest_ms(calls, repeats)
+        rows.append(row("attention", shape, rule, _other(rule, ms), ms))
     return rows
 
 

@@ -189,7 +189,7 @@ def dot_product_attention(
             f"value {value.shape}"
         )
     if implementation is None:
-        choices = platform_choices(query, key, value, mask, is_causal)
+        choices = platform_choices(query, key, value, mask, is_causal, timed=False)
     else:
         choices = {p: implementation for p in (*kernel_choice.PLATFORMS, kernel_choice.DEFAULT)}
     return _on_platforms(
@@ -197,10 +197,10 @@ def dot_product_attention(
     )
 
 
-def platform_choices(query, key, value, mask, is_causal: bool) -> dict:
+def platform_choices(query, key, value, mask, is_causal: bool, timed: bool = True) -> dict:
     """``{platform: implementation}`` for ``kernel_choice.PLATFORMS`` and ``"default"``, as
-    ``dot_product_attention`` resolves them for this call (timing the CPU paths where the
-    rule says so)."""
+    ``dot_product_attention`` resolves them for a differentiated call (``timed``: the CPU path
+    timed where the rule says so; else the rule's default)."""
     batch, length, _, depth = query.shape
     key_length, value_dim = key.shape[1], value.shape[-1]
     kind = mask_kind(mask)
@@ -217,10 +217,7 @@ def platform_choices(query, key, value, mask, is_causal: bool) -> dict:
         )
         for platform in (*kernel_choice.PLATFORMS, kernel_choice.DEFAULT)
     }
-    if (
-        choices["cpu"] in ("explicit", "blocked")
-        and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW
-    ):
+    if timed and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW:
         choices["cpu"] = timed_cpu_path(query, key, value, mask, is_causal, choices["cpu"])
     return choices
 
@@ -246,6 +243,8 @@ def _how(platform: str, implementation: str, query, key, value, automatic: bool)
     blocked path's tiles, whether splash is interpreted, what replaces a cuDNN that refuses
     the call, where the choice was automatic)."""
     length, key_length = query.shape[1], key.shape[1]
+    if platform == "cpu" and automatic and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW:
+        return ("timed", implementation)
     if implementation == "blocked":
         return ("blocked", kernel_choice.blocked_tiles(platform, length, key_length))
     if implementation == "splash":
@@ -259,6 +258,8 @@ def _how(platform: str, implementation: str, query, key, value, automatic: bool)
 def _attend(implementation, setting, query, key, value, mask, *, is_causal, scale):
     """One kernel on ``[batch, length, heads, dim]`` arrays, rows with no allowed key zeroed."""
     length, key_length, depth = query.shape[1], key.shape[1], query.shape[-1]
+    if implementation == "timed":
+        return _timed_on_cpu(setting, query, key, value, mask, is_causal, scale)
     if implementation == "blocked":
         query_block, key_block = setting
         return blocked_dot_product_attention(
@@ -317,19 +318,50 @@ def _zero_rows_without_keys(out, keep):
     return jnp.where(jnp.swapaxes(row_valid, 1, 2), out, 0.0)
 
 
+def _timed_on_cpu(default: str, query, key, value, mask, is_causal: bool, scale):
+    """The CPU path below ``CPU_TIMED_BELOW`` tokens, chosen for how the call is used: where it
+    is differentiated (training), the fastest forward + backward (``timed_cpu_path``); where
+    not, the fastest forward (``forward_cpu_path``). The two rank the paths differently: at 17
+    tokens XLA's fused attention is the fastest with its backward and the slowest without it
+    (benchmarks/results/cpu_rules.md)."""
+
+    def run(path):
+        return lambda *args: _attend(
+            *_how("cpu", path, query, key, value, False), *args, is_causal=is_causal, scale=scale
+        )
+
+    # jax.vjp's function is a pytree of the chosen path's residuals.
+    attend = jax.custom_vjp(lambda *a: run(forward_cpu_path(*a, is_causal, default))(*a))
+    attend.defvjp(
+        lambda *a: jax.vjp(run(timed_cpu_path(*a, is_causal, default)), *a),
+        lambda vjp, d_out: vjp(d_out),
+    )
+    return attend(query, key, value, mask)
+
+
+def forward_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
+    """The path of a forward-only call: explicit below ``EXPLICIT_MIN_LENGTH_CPU`` tokens (the
+    fastest forward at every short shape measured, 1.1-2.6x XLA's), from there the fastest
+    forward, timed once per shape; ``default`` with the timing off. JAX traces a
+    ``custom_vjp``'s primal also where the call is differentiated: a train step's shapes get
+    this timing too."""
+    if max(query.shape[1], key.shape[1]) < kernel_choice.EXPLICIT_MIN_LENGTH_CPU:
+        return "explicit"
+    key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal, False)
+    return autotune.choose("cpu_attention_forward", key_text, candidates, default=default)
+
+
 def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
     """``"xla"`` (where ``E == Ev``), ``"explicit"`` or ``"blocked"``, whichever runs this call's
-    forward and backward fastest on this processor, timed once per shape
-    (``attnjax.ops.autotune``); ``default`` with the timing off. Which wins below
-    ``kernel_choice.CPU_TIMED_BELOW`` tokens depends on the processor's caches, the batch and
-    the mask (benchmarks/results/cpu_rules.md)."""
+    forward and backward fastest on this processor, timed once per shape (which wins depends on
+    the processor's caches, the batch and the mask); ``default`` with the timing off."""
     key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal)
     return autotune.choose("cpu_attention", key_text, candidates, default=default)
 
 
-def cpu_path_candidates(query, key, value, mask, is_causal: bool) -> tuple[str, dict]:
+def cpu_path_candidates(query, key, value, mask, is_causal: bool, backward=True) -> tuple:
     """``(key, {path: build})`` for ``autotune.choose``: each ``build()`` compiles the path's
-    forward and backward for this call's shapes and returns a call that blocks until done."""
+    forward (and backward) for this call's shapes and returns a call that blocks until done."""
     shapes = [(x.shape, x.dtype) for x in (query, key, value)]
     mask_shape = None if mask is None else jnp.shape(mask)
     mask_dtype = None if mask is None else jnp.result_type(mask)
@@ -341,6 +373,8 @@ def cpu_path_candidates(query, key, value, mask, is_causal: bool) -> tuple[str, 
                     q, k, v, m, is_causal=is_causal, implementation=implementation
                 )
 
+            if not backward:
+                return attend(q, k, v)
             # A cotangent from outside, as in a train step: a constant one lets XLA fold it.
             return jax.vjp(attend, q, k, v)[1](d_out)
 

@@ -5,12 +5,15 @@ may be lowered for (``PLATFORMS``) and stages the choices with ``jax.lax.platfor
 the kernel is picked for the platform the program is compiled for, not for the host that traces
 it. A program traced on a CPU and compiled for a TPU carries the TPU's kernel.
 
-* ``"cpu"``: XLA's fused attention below ``EXPLICIT_MIN_LENGTH_CPU`` tokens (the three paths
-  tie there within the noise of millisecond calls, and timing each of a run's short shapes costs
-  more than it could gain); from there to ``CPU_TIMED_BELOW`` the fastest of XLA's fused
-  attention, einsum + softmax (``"explicit"``) and the blocked path, timed once per shape on the
-  machine (``attnjax.ops.autotune``): which wins there differs between processors, shapes and
-  loads (benchmarks/results/cpu_rules.md). With the timing off: explicit below
+* ``"cpu"``: below ``CPU_TIMED_BELOW`` tokens the fastest of XLA's fused attention, einsum +
+  softmax (``"explicit"``) and the blocked path, timed once per shape on the machine
+  (``attnjax.ops.autotune``): which wins differs between processors, shapes and loads
+  (benchmarks/results/cpu_rules.md). A differentiated call (training) takes the fastest forward
+  + backward, a forward-only call (inference) the fastest forward: the two rank the paths
+  differently. Below ``EXPLICIT_MIN_LENGTH_CPU`` tokens a forward-only call is not timed: the
+  explicit forward was the fastest at every short shape measured, and timing the many small
+  shapes of evaluation and sampling would cost more than it could gain. With the timing off:
+  XLA's below ``EXPLICIT_MIN_LENGTH_CPU`` (explicit for a forward-only call), explicit below
   ``BLOCKED_MIN_LENGTH_CPU``, blocked above. From ``CPU_TIMED_BELOW`` the linear-memory
   ``"blocked"`` path, with taller tiles from ``CPU_LONG_BLOCK_FROM``.
 * ``"tpu"``: Pallas splash attention (``attnjax.ops.splash``) when it serves the call and both

@@ -1,6 +1,7 @@
 """attnjax.ops.blocked_attention against the explicit einsum + softmax path and PyTorch's SDPA."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -210,11 +211,15 @@ def test_memory_grows_linearly_with_length():
     assert explicit_large / explicit_small > 8, (explicit_small, explicit_large)
 
 
+@pytest.mark.parametrize("length", [17, kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3])
 @pytest.mark.parametrize("fastest", ["xla", "blocked"])
-def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch, tmp_path):
-    """Between the explicit threshold and CPU_TIMED_BELOW tokens the path is timed once per shape
-    (faked here: outcomes never hang on timing), each with the same values and gradients."""
-    monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cpu_rules.json"))
+def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, length, monkeypatch, tmp_path):
+    """Below CPU_TIMED_BELOW tokens a differentiated call runs the path with the fastest forward
+    + backward, a forward-only call the fastest forward (explicit, untimed, below
+    EXPLICIT_MIN_LENGTH_CPU), each timed once per shape (faked here: outcomes never hang on
+    timing), with the same values and gradients."""
+    cache = tmp_path / "cpu_rules.json"
+    monkeypatch.setenv(autotune.ENV_CACHE, str(cache))
     monkeypatch.setattr(autotune, "_enabled", True)
     monkeypatch.setattr(autotune, "_choices", {})
     timed = []
@@ -224,7 +229,6 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch
         return {name: 0.5 if name == fastest else 1.0 for name in candidates}
 
     monkeypatch.setattr(autotune, "time_candidates", time_candidates)
-    length = kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, length, 2, 8)).astype(np.float32) for _ in range(3))
     mask = rng.random((length, length)) > 0.2
@@ -233,11 +237,30 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, monkeypatch
         loss = lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, mask, is_causal=True)))
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
 
+    def program(fn, differentiated):
+        def forward(q):
+            return jnp.sum(jnp.sin(fn(q, k, v, mask)))
+
+        return jax.jit(jax.grad(forward) if differentiated else forward).lower(q).as_text()
+
+    def rules():
+        return sorted(name.split(" | ")[0] for name in json.loads(cache.read_text()))
+
+    short = length < kernel_choice.EXPLICIT_MIN_LENGTH_CPU
     default = grads(attention.dot_product_attention)
-    assert timed == [["blocked", "explicit", "xla"]]
-    lowered = jax.jit(lambda q: attention.dot_product_attention(q, k, v, mask)).lower(q)
-    assert ("while" in lowered.as_text()) == (fastest == "blocked")
-    assert len(timed) == 2  # the causal and the full mask are two shapes
+    assert timed[0] == ["blocked", "explicit", "xla"]
+    # JAX traces the primal of a differentiated call too: its forward is timed, from 64 tokens.
+    assert rules() == ["cpu_attention"] + ["cpu_attention_forward"] * (not short)
+    train_text = program(attention.dot_product_attention, True)
+    assert ("while" in train_text) == (fastest == "blocked")
+    forward_text = program(attention.dot_product_attention, False)
+    assert ("while" in forward_text) == (fastest == "blocked" and not short)
+    # The causal and the full mask are two shapes, each timed once per rule.
+    assert rules() == ["cpu_attention"] * 2 + ["cpu_attention_forward"] * 2 * (not short)
+    assert len(timed) == len(rules())
+    if short:  # the explicit path: its very numbers
+        ours = jax.jit(lambda q: attention.dot_product_attention(q, k, v, mask))(q)
+        np.testing.assert_array_equal(ours, EXPLICIT(q, k, v, mask))
     for ours, ref in zip(jax.tree.leaves(default), jax.tree.leaves(grads(EXPLICIT))):
         assert_close(ours, ref, what=f"{fastest} path against the explicit one")
 
