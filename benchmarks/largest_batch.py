@@ -109,10 +109,13 @@ def _next(measured: dict, memory: int, multiple: int, fits_at, fails_at) -> int:
     """The multiple of ``multiple`` where the line through the two largest compiled batches
     reaches ``memory``, strictly between the largest batch that fits and the smallest that does
     not; halfway between them where the line points past the one that does not (the compiler
-    refused it: no bytes to fit), a step past the fitting one where no line is known."""
+    refused it: no bytes to fit), twice the fitting one where the line does not rise (XLA's
+    rematerialisation near the limit can make a larger batch take less memory)."""
     low_end = fits_at + multiple if fits_at is not None else multiple
     high_end = fails_at - multiple if fails_at is not None else 1 << 30
-    guess = low_end if fails_at is None else high_end
+    guess = high_end
+    if fails_at is None:
+        guess = max(low_end, 2 * (fits_at or 0) // multiple * multiple)
     points = sorted((b, m) for b, m in measured.items() if m is not None)
     if len(points) >= 2:
         (b1, m1), (b2, m2) = points[-2], points[-1]
@@ -133,17 +136,19 @@ def ordered(rows) -> list:
 
 
 def commands(rows) -> str:
-    """The command behind each (name, target), every variant at once, for the results file."""
+    """The commands behind the rows, one per (name, target, probes), for the results file."""
     lines = {}
     for r in ordered(rows):
         settings = "".join(f" --set {s!r}" if " " in s else f" --set {s}" for s in r["settings"])
         probes = ",".join(list(r["probes"])[:2])
-        lines.setdefault(
-            (r["name"], r["target"]),
-            f"- `python benchmarks/largest_batch.py --config {r['config']} --target {r['target']} "
-            f"--name {r['name']}{settings} --probes {probes}`",
-        )
-    return "\n".join(lines.values())
+        head = f"--config {r['config']} --target {r['target']} --name {r['name']}{settings}"
+        lines.setdefault((head, probes), []).append(r["variant"])
+    return "\n".join(
+        f"- `python benchmarks/largest_batch.py {head}"
+        + ("" if variants == list(VARIANTS) else f" --variants {','.join(variants)}")
+        + f" --probes {probes}`"
+        for (head, probes), variants in lines.items()
+    )
 
 
 def markdown(rows) -> str:
