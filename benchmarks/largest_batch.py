@@ -106,17 +106,19 @@ def largest(config, task, target, multiple: int, probes: tuple[int, int]) -> dic
 
 
 def _next(measured: dict, memory: int, multiple: int, fits_at, fails_at) -> int:
-    """The multiple of ``multiple`` where the line through the two largest compiled batches
-    reaches ``memory``, strictly between the largest batch that fits and the smallest that does
-    not; halfway between them where the line points past the one that does not (the compiler
-    refused it: no bytes to fit), twice the fitting one where the line does not rise (XLA's
-    rematerialisation near the limit can make a larger batch take less memory)."""
+    """The multiple of ``multiple`` where the line through the largest batch that fits and the
+    smallest that does not (else the two largest compiled batches) reaches ``memory``, strictly
+    between the two; halfway between them where the line points past the one that does not
+    (the compiler refused it: no bytes to fit), twice the fitting one where the line does not
+    rise (XLA's rematerialisation near the limit can make a larger batch take less memory)."""
     low_end = fits_at + multiple if fits_at is not None else multiple
     high_end = fails_at - multiple if fails_at is not None else 1 << 30
     guess = high_end
     if fails_at is None:
         guess = max(low_end, 2 * (fits_at or 0) // multiple * multiple)
     points = sorted((b, m) for b, m in measured.items() if m is not None)
+    if measured.get(fits_at) is not None and measured.get(fails_at) is not None:
+        points = [(fits_at, measured[fits_at]), (fails_at, measured[fails_at])]
     if len(points) >= 2:
         (b1, m1), (b2, m2) = points[-2], points[-1]
         slope = (m2 - m1) / (b2 - b1)
