@@ -113,9 +113,7 @@ def _next(measured: dict, memory: int, multiple: int, fits_at, fails_at) -> int:
     rise (XLA's rematerialisation near the limit can make a larger batch take less memory)."""
     low_end = fits_at + multiple if fits_at is not None else multiple
     high_end = fails_at - multiple if fails_at is not None else 1 << 30
-    guess = high_end
-    if fails_at is None:
-        guess = max(low_end, 2 * (fits_at or 0) // multiple * multiple)
+    guess = None
     points = sorted((b, m) for b, m in measured.items() if m is not None)
     if measured.get(fits_at) is not None and measured.get(fails_at) is not None:
         points = [(fits_at, measured[fits_at]), (fails_at, measured[fails_at])]
@@ -124,8 +122,12 @@ def _next(measured: dict, memory: int, multiple: int, fits_at, fails_at) -> int:
         slope = (m2 - m1) / (b2 - b1)
         if slope > 0:
             guess = int((memory - (m2 - slope * b2)) / slope) // multiple * multiple
-    if fails_at is not None and guess >= high_end:  # the line says nothing (a refusal): halve
-        guess = (low_end + high_end) // 2 // multiple * multiple
+    # No rising line, or one past a batch the compiler refused (no bytes to fit): double or halve.
+    if guess is None or (fails_at is not None and guess > high_end):
+        if fails_at is None:
+            guess = 2 * (fits_at or 0) // multiple * multiple
+        else:
+            guess = (low_end + high_end) // 2 // multiple * multiple
     return min(max(guess, low_end), high_end)
 
 

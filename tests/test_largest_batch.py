@@ -53,3 +53,20 @@ def test_search_finds_the_largest_fitting_multiple(curve, probes, monkeypatch):
     assert found["largest"] == expected, (compiled, expected)
     assert found["next_multiple"] == expected + 8
     assert len(compiled) <= 16, compiled
+
+
+def test_two_failing_probes_close_to_the_limit_take_one_more_compile(monkeypatch):
+    """Both probes just past the limit (the 1.4B prior with remat at 736 and 744): the line
+    between them points one multiple below them, not halfway down."""
+
+    def steep(batch):
+        return 20 * GIB + batch * 0.07 * GIB + max(0, batch - 720) * 0.9 * GIB
+
+    compiled = []
+    monkeypatch.setattr(
+        largest_batch, "train_bytes", lambda c, t, g, b: (compiled.append(b), (steep(b), 1.0))[1]
+    )
+    target = types.SimpleNamespace(memory_per_device=MEMORY)
+    found = largest_batch.largest(None, None, target, 8, (736, 744))
+    assert found["largest"] == brute_force(steep) == 728
+    assert compiled == [736, 744, 728], compiled
