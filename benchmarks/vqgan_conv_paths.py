@@ -74,7 +74,11 @@ def main():
         load_average=[load_before, os.getloadavg()],
         median_ms=ms,
         fastest_ms=fastest,
-        timed_choices={key.split(" | ")[-1]: v["choice"] for key, v in choices.items()},
+        timed_choices={
+            key.split(" | ")[-1]: v["choice"]
+            for key, v in choices.items()
+            if key.startswith("conv_kernel_gradient")
+        },
     )
     text = markdown(result)
     print(text)
