@@ -37,9 +37,8 @@ def brute_force(curve, multiple=8):
     return max(fits)
 
 
-@pytest.mark.parametrize("curve", [affine, refused_above_500, falls_near_the_limit])
-@pytest.mark.parametrize("probes", [(8, 32), (616, 680)])
-def test_search_finds_the_largest_fitting_multiple(curve, probes, monkeypatch):
+def search(curve, probes, monkeypatch):
+    """``largest``'s result on ``curve``, and the per-device batches it compiled, in order."""
     compiled = []
 
     def train_bytes(config, task, target, per_device):
@@ -48,7 +47,13 @@ def test_search_finds_the_largest_fitting_multiple(curve, probes, monkeypatch):
 
     monkeypatch.setattr(largest_batch, "train_bytes", train_bytes)
     target = types.SimpleNamespace(memory_per_device=MEMORY)
-    found = largest_batch.largest(None, None, target, 8, probes)
+    return largest_batch.largest(None, None, target, 8, probes), compiled
+
+
+@pytest.mark.parametrize("curve", [affine, refused_above_500, falls_near_the_limit])
+@pytest.mark.parametrize("probes", [(8, 32), (616, 680)])
+def test_search_finds_the_largest_fitting_multiple(curve, probes, monkeypatch):
+    found, compiled = search(curve, probes, monkeypatch)
     expected = brute_force(curve)
     assert found["largest"] == expected, (compiled, expected)
     assert found["next_multiple"] == expected + 8
@@ -62,11 +67,6 @@ def test_two_failing_probes_close_to_the_limit_take_one_more_compile(monkeypatch
     def steep(batch):
         return 20 * GIB + batch * 0.07 * GIB + max(0, batch - 720) * 0.9 * GIB
 
-    compiled = []
-    monkeypatch.setattr(
-        largest_batch, "train_bytes", lambda c, t, g, b: (compiled.append(b), (steep(b), 1.0))[1]
-    )
-    target = types.SimpleNamespace(memory_per_device=MEMORY)
-    found = largest_batch.largest(None, None, target, 8, (736, 744))
+    found, compiled = search(steep, (736, 744), monkeypatch)
     assert found["largest"] == brute_force(steep) == 728
     assert compiled == [736, 744, 728], compiled
