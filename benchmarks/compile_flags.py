@@ -14,15 +14,17 @@ import os
 import subprocess
 import sys
 
+from attnjax import compat
 from attnjax.ops.platform import processor
 
 FLAG_SETS = {
     "default": "",
     "-O0": "--xla_backend_optimization_level=0",
-    "-O0, loop emitters": (
-        "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    ),
 }
+if compat.xla_cpu_loop_emitter_flags():  # gone from jaxlib 0.11.1 on
+    FLAG_SETS["-O0, loop emitters"] = " ".join(
+        ["--xla_backend_optimization_level=0", *compat.xla_cpu_loop_emitter_flags()]
+    )
 
 PROGRAMS = r"""
 import functools, json, time

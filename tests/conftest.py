@@ -1,10 +1,17 @@
 """Shared test setup: CPU-only JAX, and torchvision made importable next to the CPU torch."""
 
+import ast
 import contextlib
 import fcntl
 import functools
+import importlib.metadata
 import importlib.util
+import json
 import os
+import pathlib
+import platform
+
+from attnjax import compat
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole suite and every subprocess it starts (they
@@ -22,15 +29,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # machine take their fixed defaults; tests that check a choice set it themselves.
 os.environ["ATTNJAX_CPU_AUTOTUNE"] = "0"
 # The suite checks values, not speed: LLVM at -O0 and XLA's loop emitters instead of its fusion
-# emitters compile its programs in about 60% of the default's time and compute the same values to
-# float32 rounding (benchmarks/results/compile_flags.md). Subprocesses inherit them through
-# helpers.xla_flags.
+# emitters (where this jaxlib still has them) compile its programs in about 60% of the default's
+# time and compute the same values to float32 rounding (benchmarks/results/compile_flags.md).
+# Subprocesses inherit them through helpers.xla_flags.
 os.environ["XLA_FLAGS"] = " ".join(
     dict.fromkeys(
         [
             *os.environ.get("XLA_FLAGS", "").split(),
             "--xla_backend_optimization_level=0",
-            "--xla_cpu_use_fusion_emitters=false",
+            *compat.xla_cpu_loop_emitter_flags(),
         ]
     )
 )
@@ -44,6 +51,94 @@ if importlib.util.find_spec("torch") is not None:
     from attnjax.convert.common import make_torchvision_importable
 
     make_torchvision_importable()
+
+# The PyTorch references. Where they are not installed (`make test-newest`: PyPI has no CPU
+# PyTorch for its Python, only a CUDA build of several GB), the test files and notebooks that use
+# them are not collected, and the report's header names them; `make test` installs them and
+# collects everything.
+REFERENCES = ("torch", "torchvision", "timm", "lpips", "taming", "pytorch_fid", "torch_fidelity")
+REFERENCE_FIXTURES = ("lpips_reference", "inception_weights")
+TESTS = pathlib.Path(__file__).parent
+HAS_REFERENCES = importlib.util.find_spec("torch") is not None
+
+
+def _imported(tree) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def needs_references(path: pathlib.Path) -> bool:
+    """Whether the test file or notebook ``path`` imports a PyTorch reference, uses a fixture
+    that does, or calls a function of tests/helpers.py that does."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join(
+            line
+            for cell in cells
+            if cell["cell_type"] == "code"
+            for line in "".join(cell["source"]).splitlines()
+            if not line.lstrip().startswith(("%", "!"))
+        )
+        return bool(_imported(ast.parse(code)) & set(REFERENCES))
+    tree = ast.parse(path.read_text())
+    helpers = ast.parse((TESTS / "helpers.py").read_text())
+    helpers_needing = {
+        node.name
+        for node in helpers.body
+        if isinstance(node, ast.FunctionDef) and _imported(node) & set(REFERENCES)
+    }
+    from_helpers = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "helpers"
+        for alias in node.names
+    }
+    arguments = {
+        argument.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        for argument in node.args.args
+    }
+    return bool(
+        _imported(tree) & set(REFERENCES)
+        or from_helpers & helpers_needing
+        or arguments & set(REFERENCE_FIXTURES)
+    )
+
+
+collect_ignore = []
+if not HAS_REFERENCES:
+    collect_ignore = sorted(
+        str(path.relative_to(TESTS)) for path in TESTS.rglob("test_*.py") if needs_references(path)
+    )
+
+
+def pytest_report_header(config):
+    versions = []
+    for package in ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "chex"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+    for package in ("grain", "tensorflow-datasets", "numpy", "torch"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+    lines = [f"attnjax on Python {platform.python_version()}: " + ", ".join(versions)]
+    if collect_ignore:
+        lines.append(
+            f"no PyTorch here: {len(collect_ignore)} test files that compare with it are not "
+            f"collected: {', '.join(collect_ignore)}"
+        )
+    return lines
+
+
+def _parameter_needs_references(item) -> bool:
+    parameters = getattr(item, "callspec", None)
+    parameters = parameters.params.values() if parameters else ()
+    return any(isinstance(p, pathlib.Path) and needs_references(p) for p in parameters)
 
 
 @contextlib.contextmanager
@@ -138,7 +233,14 @@ def lpips_reference():
 LONGEST = ("multiprocess", "faults", "trained_runs")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if not HAS_REFERENCES:
+        # Parametrised over files (the notebooks): those that import a reference.
+        deselected = [item for item in items if _parameter_needs_references(item)]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item not in deselected]
+
     def rank(item):
         groups = [mark.args[0] for mark in item.iter_markers("xdist_group")]
         return min((LONGEST.index(g) for g in groups if g in LONGEST), default=len(LONGEST))

@@ -3,6 +3,7 @@
 Each package of attnjax/ is a layer; a module may import its own layer and those below, never
 above (the table below is checked against ``PACKAGES``):
 
+    0  attnjax.compat     what moved between the JAX releases attnjax supports
     0  attnjax.ops        pure functions: attention and its kernels, masks, positional
                           encodings, convolution, losses
     1  attnjax.models     Linen modules: ViT, Transformer, VQGAN, quantizers, discriminator,
@@ -31,6 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "attnjax"
 
 PACKAGES = (  # (package, layer, what it holds), bottom to top
+    ("attnjax.compat", 0, "what moved between the JAX releases attnjax supports"),
     (
         "attnjax.ops",
         0,

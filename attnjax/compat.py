@@ -1,0 +1,27 @@
+"""What moved between the JAX releases attnjax supports (pyproject.toml's range, from the pinned
+environment's jax 0.10.2 to the newest on PyPI): the one module that knows, so that no other
+module compares versions.
+
+It reads versions from the installed packages' metadata, never by importing jax: callers may
+need its answers before jax starts (XLA reads ``$XLA_FLAGS`` once, when its backend starts).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+
+def _version(package: str) -> tuple[int, ...]:
+    release = importlib.metadata.version(package).split("+")[0]
+    return tuple(int(part) for part in release.split(".") if part.isdigit())
+
+
+def xla_cpu_loop_emitter_flags() -> list[str]:
+    """XLA flags that compile CPU fusions with the loop emitters instead of the fusion emitters
+    (about 40% less compile time for the suite's small programs, the same values to float32
+    rounding: benchmarks/results/compile_flags.md), or ``[]`` where XLA has only the fusion
+    emitters. jaxlib 0.11.1 removed the flag (its name is reserved in XLA's DebugOptions since),
+    and XLA ends the process on a flag it does not know."""
+    if _version("jaxlib") < (0, 11, 1):
+        return ["--xla_cpu_use_fusion_emitters=false"]
+    return []

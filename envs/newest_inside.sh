@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs inside the Debian 13 root that envs/newest.sh prepares, on its copy of the checkout at
+# /src: the newest JAX stack installed first, as a user's environment would hold it, then attnjax
+# on top of it without a constraints file, then the suite, the demo and a TPU compile.
+set -euo pipefail
+update-ca-certificates > /dev/null 2>&1
+VENV=/opt/venv
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY=$VENV/bin/python
+PIP="$PY -m pip --quiet"
+$PIP install --upgrade pip setuptools wheel  # setuptools: tests/test_packaging.py builds attnjax offline
+
+# The user's environment: the newest release of each library attnjax builds on.
+$PIP install --upgrade "jax[tpu]" flax optax orbax-checkpoint chex grain tensorflow-datasets
+installed_jax() { $PY -c 'import importlib.metadata as m; print(m.version("jax"), m.version("jaxlib"))'; }
+before=$(installed_jax)
+# attnjax and its test tools (pinned as in the dev environment), no constraint on the JAX stack:
+# the declared ranges must accept what the user has.
+$PIP install -c /src/envs/tools.txt "/src[test]"
+after=$(installed_jax)
+if [ "$before" != "$after" ]; then
+    echo "newest: installing attnjax replaced jax/jaxlib $before with $after" >&2
+    exit 1
+fi
+echo "newest: attnjax installed beside jax/jaxlib $after, left in place"
+
+cd /src
+export JAX_COMPILATION_CACHE_DIR=/root/.jax_cache
+echo "== newest: the suite (the tests that need no PyTorch: no CPU PyTorch wheel for this Python)"
+$PY -m pytest -n 2 --dist loadgroup -m "not cuda" -p no:cacheprovider tests
+echo "== newest: demo.py"
+rm -rf /tmp/demo && $PY demo.py --workdir /tmp/demo
+echo "== newest: python -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4"
+$PY -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4
