@@ -271,7 +271,7 @@ def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
     params = dict(
         state.params, autoencoder=optax.apply_updates(state.params["autoencoder"], updates)
     )
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = optim.learning_rate_at(config, step)
 
     disc_opt_state, batch_stats = state.disc_opt_state, state.batch_stats

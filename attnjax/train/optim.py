@@ -127,7 +127,7 @@ def apply_gradients(state: TrainState, grads, metrics: dict, *, config, tx, axis
     params = optax.apply_updates(state.params, updates)
     metrics = dict(
         metrics,
-        grad_norm=optax.global_norm(grads),
+        grad_norm=optax.tree.norm(grads),
         learning_rate=learning_rate_at(config, state.step),
     )
     ema = state.ema_params
