@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from attnjax.compile import run as compile_only
 from attnjax.tasks import train_and_evaluate
-from attnjax.train import parallel, preemption
+from attnjax.train import compilation_cache, parallel, preemption
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/vit_digits.py", "Training config file (configs/*.py[:arg])."
@@ -53,6 +53,7 @@ def main(argv):
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
+    compilation_cache.enable()
     if _COMPILE_ONLY.value:
         try:
             status = compile_only(config, _COMPILE_ONLY.value, config_name=_config_name())

@@ -6,6 +6,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from attnjax.compile import run, targets
+from attnjax.train import compilation_cache
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {targets.FORMS}.")
@@ -15,6 +16,7 @@ _JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    compilation_cache.enable()
     try:
         status = run(
             _CONFIG.value,

@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax.train import compilation_cache
+
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
@@ -271,6 +273,7 @@ def main(argv=None):
         help=f"comma-separated, of {','.join(PLATFORMS)} (default: this machine's)",
     )
     args = parser.parse_args(argv)
+    compilation_cache.enable()
     platforms = None if args.platforms is None else tuple(args.platforms.split(","))
     try:
         manifest = export_workdir(

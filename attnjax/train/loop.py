@@ -28,9 +28,11 @@ import tqdm
 from absl import logging
 
 from attnjax import data
+from attnjax.ops import autotune
 from attnjax.train import (
     checkpoint,
     checkpoint_integrity,
+    compilation_cache,
     nonfinite,
     parallel,
     performance,
@@ -300,7 +302,13 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
     for step in range(start + 1, num_steps + 1):
         batch, data_state = next(batches)
         run.profile.before(step)
-        state, metrics = run.train_step(state, batch, step_keys(step - 1))
+        if step == start + 1:
+            # CPU kernel choices this run's programs meet are timed while they are traced.
+            with autotune.timing_window():
+                state, metrics = run.train_step(state, batch, step_keys(step - 1))
+            _report_first_step(run, metrics)
+        else:
+            state, metrics = run.train_step(state, batch, step_keys(step - 1))
         run.profile.after(step, state)
         pending.append(metrics)
         run.bar.update(1)
@@ -325,6 +333,17 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
             # The caller's exit stack closes the checkpointer, which waits for this save.
             raise preemption.Preempted(step, str(run.ckpt.manager.directory), stop.signal_name)
     return state, result
+
+
+def _report_first_step(run: _Run, metrics) -> None:
+    """The wait before the first result, and where its compiled programs came from."""
+    jax.block_until_ready(metrics)
+    age = compilation_cache.process_seconds()
+    line = f"first step done{'' if age is None else f' {age:.1f} s after the process started'}: "
+    line += compilation_cache.summary()
+    logging.info(line)
+    if jax.process_index() == 0 and not run.config.get("quiet", False):
+        run.bar.write(line)
 
 
 def _log_train(run: _Run, step: int, pending: list, throughput: _Throughput) -> dict:
@@ -352,17 +371,18 @@ def _check_pending_finite(run: _Run, step: int, pending: list) -> None:
 
 
 def _evaluate(run: _Run, state, step: int) -> dict:
-    return evaluate(
-        run.task,
-        run.dp,
-        run.eval_step,
-        state,
-        run.datasets,
-        config=run.config,
-        model=run.model,
-        workdir=run.workdir,
-        step=step,
-    )
+    with autotune.timing_window():  # only the first traces; later ones reuse its programs
+        return evaluate(
+            run.task,
+            run.dp,
+            run.eval_step,
+            state,
+            run.datasets,
+            config=run.config,
+            model=run.model,
+            workdir=run.workdir,
+            step=step,
+        )
 
 
 def _evaluate_and_keep_best(run: _Run, state, step: int) -> dict:

@@ -1,0 +1,72 @@
+"""attnjax.train.compilation_cache: a second run reads its compiled programs from disk and says so;
+the user's own cache and the switch are respected."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+from helpers import tiny_vit_flags
+
+from attnjax.train import compilation_cache
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FIRST_STEP = re.compile(
+    r"first step done ([\d.]+) s after the process started: (\d+) programs from the compilation "
+    r"cache at (\S+) \(([\d.]+) s of compiling saved\), (\d+) compiled and written to it"
+)
+
+
+def _train(workdir, digits_dir, cache):
+    # Not the suite's cache (conftest.py names it in the environment): this test's own, empty.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env[compilation_cache.ENV_DIR] = str(cache)
+    run = subprocess.run(
+        [
+            *(sys.executable, "train.py", "--config", "configs/vit_digits.py"),
+            *("--workdir", str(workdir), f"--config.data.data_dir={digits_dir}"),
+            *tiny_vit_flags(),
+            *("--config.num_train_steps=2", "--config.eval_every=2", "--config.log_every=2"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    (match,) = FIRST_STEP.findall(run.stdout + run.stderr)
+    seconds, hits, directory, saved, written = match
+    assert directory == str(cache)
+    return float(seconds), int(hits), float(saved), int(written)
+
+
+def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
+    cache = tmp_path / "cache"
+    _, hits, saved, written = _train(tmp_path / "first", digits_dir, cache)
+    assert hits == 0 and saved == 0.0 and written >= 2  # at least the init and the train step
+    entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
+    assert len(entries) >= written
+
+    _, hits, saved, written = _train(tmp_path / "second", digits_dir, cache)
+    assert written == 0, "the second run compiled a program the first had written"
+    assert hits >= 2 and saved > 0.0
+
+
+def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch):
+    suites = jax.config.jax_compilation_cache_dir  # conftest.py's, as a user's own would be
+    assert suites and compilation_cache.enable() == suites
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv(compilation_cache.ENV_DIR, "off")
+        assert compilation_cache.enable() is None
+        assert compilation_cache.summary() == "no persistent compilation cache"
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        monkeypatch.delenv(compilation_cache.ENV_DIR)
+        assert compilation_cache.enable() == str(tmp_path / "attnjax" / "jax")
+        assert jax.config.jax_compilation_cache_max_size == 4 * 2**30
+    finally:
+        jax.config.update("jax_compilation_cache_dir", suites)
+        jax.config.update("jax_compilation_cache_max_size", -1)
