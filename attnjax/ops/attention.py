@@ -342,9 +342,9 @@ def _timed_on_cpu(default: str, query, key, value, mask, is_causal: bool, scale)
 def forward_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
     """The path of a forward-only call: explicit below ``EXPLICIT_MIN_LENGTH_CPU`` tokens (the
     fastest forward at every short shape measured, 1.1-2.6x XLA's), from there the fastest
-    forward, timed once per shape; ``default`` with the timing off. JAX traces a
-    ``custom_vjp``'s primal also where the call is differentiated: a train step's shapes get
-    this timing too."""
+    forward, timed once per class of shapes; ``default`` with the timing off or the class never
+    timed. JAX traces a ``custom_vjp``'s primal also where the call is differentiated: a train
+    step's shapes get this timing too."""
     if max(query.shape[1], key.shape[1]) < kernel_choice.EXPLICIT_MIN_LENGTH_CPU:
         return "explicit"
     key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal, False)
@@ -353,8 +353,9 @@ def forward_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> 
 
 def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
     """``"xla"`` (where ``E == Ev``), ``"explicit"`` or ``"blocked"``, whichever runs this call's
-    forward and backward fastest on this processor, timed once per shape (which wins depends on
-    the processor's caches, the batch and the mask); ``default`` with the timing off."""
+    forward and backward fastest on this processor, timed once per class of shapes
+    (``kernel_choice.cpu_shape_class``; which wins depends on the processor's caches, the batch
+    and the mask); ``default`` with the timing off or the class never timed."""
     key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal)
     return autotune.choose("cpu_attention", key_text, candidates, default=default)
 
@@ -390,9 +391,8 @@ def cpu_path_candidates(query, key, value, mask, is_causal: bool, backward=True)
         compiled = jax.jit(grads).lower(*args).compile()
         return lambda: jax.block_until_ready(compiled(*args))
 
-    key_text = (
-        f"{[(tuple(s), jnp.dtype(d).name) for s, d in shapes]} causal {bool(is_causal)} "
-        f"mask {None if mask is None else (tuple(mask_shape), jnp.dtype(mask_dtype).name)}"
+    key_text = kernel_choice.cpu_shape_class(
+        query.shape, key.shape, value.shape, query.dtype, is_causal, mask_kind(mask)
     )
     names = ["explicit", "blocked"] + (["xla"] if query.shape[-1] == value.shape[-1] else [])
     return key_text, {name: (lambda name=name: build(name)) for name in names}

@@ -1,22 +1,30 @@
 """Choices between equivalent CPU programs, made by timing both on the processor at hand.
 
 A CPU kernel that wins on one processor can lose on another (benchmarks/results/cpu_rules.md),
-so where attnjax has two programs for the same result it times both once per shape, as cuDNN's
-benchmark mode and XLA's GPU autotuner do, and remembers the winner on disk::
+so where attnjax has two programs for the same result it can time both and remember the winner
+on disk, as cuDNN's benchmark mode and XLA's GPU autotuner do::
 
     path = choose("conv_kernel_gradient", key, {"xla": build_xla, "products": build_products},
                   default="xla")
 
 Each candidate is a thunk that compiles its program and returns a call that blocks until done.
-Choices run at trace time, outside the trace (``jax.ensure_compile_time_eval``), and are cached
-per processor, jax version and key in ``$ATTNJAX_CPU_AUTOTUNE_CACHE`` (default
-``~/.cache/attnjax/cpu_rules.json``). ``ATTNJAX_CPU_AUTOTUNE=0`` or ``set_enabled(False)``
-turns timing off: every choice is then its ``default``, so runs and tests that need the same
-program on every machine get it. The candidates' outputs agree to float32 rounding.
+A key names a class of calls (attention buckets its lengths, see ``kernel_choice.shape_class``),
+so one timing serves every shape of the class. Timing costs seconds, so it runs only where asked
+for: inside ``timing_window()`` (the training loop opens one around its first step and first
+evaluation: the programs it will run thousands of times) and in ``python -m attnjax.ops.warm``,
+ahead of time. Anywhere else a choice is read from the cache or, for a class never timed, is its
+``default``, untimed: a new shape costs nothing. Choices run at trace time, outside the trace
+(``jax.ensure_compile_time_eval``), and are cached per processor, jax version and key in
+``$ATTNJAX_CPU_AUTOTUNE_CACHE`` (default ``~/.cache/attnjax/cpu_rules.json``).
+
+``$ATTNJAX_CPU_AUTOTUNE``: ``0`` (or ``set_enabled(False)``) makes every choice its ``default``,
+cache or not, so runs and tests that need the same program on every machine get it; ``always``
+times every new key wherever it is met. The candidates' outputs agree to float32 rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,6 +55,7 @@ MARGIN = 0.02
 
 _enabled: bool | None = None  # set_enabled's override of $ATTNJAX_CPU_AUTOTUNE
 _choices: dict[str, str] = {}  # this process's choices, read from or written to the cache
+_windows = 0  # open timing_window()s
 
 
 def set_enabled(flag: bool | None) -> None:
@@ -60,6 +69,26 @@ def enabled() -> bool:
     if _enabled is not None:
         return _enabled
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def times_everywhere() -> bool:
+    """``$ATTNJAX_CPU_AUTOTUNE=always``: every new key is timed where it is met."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() == "always"
+
+
+@contextlib.contextmanager
+def timing_window():
+    """Choices met inside are timed when the cache lacks them (outside: their default)."""
+    global _windows
+    _windows += 1
+    try:
+        yield
+    finally:
+        _windows -= 1
+
+
+def timing_allowed() -> bool:
+    return enabled() and (_windows > 0 or times_everywhere())
 
 
 def cache_path() -> pathlib.Path:
@@ -149,8 +178,9 @@ def choose(
     candidates: dict[str, Callable[[], Callable[[], object]]],
     default: str,
 ) -> str:
-    """The fastest candidate's name for ``rule`` at ``key`` on this processor, timed once and then
-    read from the cache; ``default`` when timing is off or no candidate beats it by ``MARGIN``."""
+    """The fastest candidate's name for ``rule`` at ``key`` on this processor, read from the cache
+    or, inside a ``timing_window``, timed once and cached; ``default`` when timing is off, when
+    the key was never timed and no window is open, or when no candidate beats it by ``MARGIN``."""
     # The processes of one multi-process run must trace the same program: no per-host timings.
     if not enabled() or jax.process_count() > 1:
         return default
@@ -159,6 +189,8 @@ def choose(
         path = cache_path()
         entry = _read(path).get(name)
         if entry is None or entry.get("choice") not in candidates:
+            if not timing_allowed():
+                return default  # not remembered: a window opened later still times it
             seconds = time_candidates(candidates)
             fastest = min(seconds, key=seconds.get)
             if seconds[fastest] > (1 - MARGIN) * seconds[default]:

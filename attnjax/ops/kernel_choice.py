@@ -119,3 +119,26 @@ def blocked_tiles(platform: str, query_length: int, key_length: int) -> tuple[in
     if platform == "cpu" and max(query_length, key_length) >= CPU_LONG_BLOCK_FROM:
         return CPU_LONG_QUERY_BLOCK, CPU_LONG_KEY_BLOCK
     return DEFAULT_QUERY_BLOCK, DEFAULT_KEY_BLOCK
+
+
+def cpu_shape_class(
+    query_shape, key_shape, value_shape, dtype, is_causal: bool, mask_kind: str | None
+) -> str:
+    """The class of attention calls (``[batch, length, heads, dim]`` shapes) that one CPU timing
+    stands for, ``autotune``'s key: both lengths rounded up to a power of two, ``batch * heads``
+    (the rows the kernels loop over) up to a power of four, the rest as given. Timing per class
+    instead of per shape bounds the timings a machine ever makes, and a new shape of a timed
+    class costs nothing."""
+    batch, length, heads, head_dim = query_shape
+    return (
+        f"queries {_up_to_power(length, 2)} keys {_up_to_power(key_shape[1], 2)} "
+        f"rows {_up_to_power(batch * heads, 4)} dims {head_dim}/{value_shape[-1]} "
+        f"{jnp.dtype(dtype).name} causal {bool(is_causal)} mask {mask_kind}"
+    )
+
+
+def _up_to_power(n: int, base: int) -> int:
+    power = 1
+    while power < n:
+        power *= base
+    return power

@@ -31,7 +31,8 @@ CANDIDATES = {"a": lambda: lambda: None, "b": lambda: lambda: None}
 def test_the_fastest_is_chosen_once_and_kept_on_disk(cache, monkeypatch):
     calls = []
     monkeypatch.setattr(autotune, "time_candidates", _timed({"a": 2.0, "b": 1.0}, calls))
-    assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
+    with autotune.timing_window():
+        assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
     assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
     assert calls == [["a", "b"]]
     ((name, entry),) = json.loads(cache.read_text()).items()
@@ -41,14 +42,40 @@ def test_the_fastest_is_chosen_once_and_kept_on_disk(cache, monkeypatch):
     autotune.forget()  # a new process: read from disk, not timed again
     assert autotune.choose("rule", "shape 1", CANDIDATES, default="a") == "b"
     assert len(calls) == 1
-    assert autotune.choose("rule", "shape 2", CANDIDATES, default="a") == "b"
+    with autotune.timing_window():
+        assert autotune.choose("rule", "shape 2", CANDIDATES, default="a") == "b"
     assert len(calls) == 2 and len(json.loads(cache.read_text())) == 2
+
+
+def test_outside_a_window_a_new_key_costs_nothing_until_a_window_times_it(cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(autotune, "time_candidates", _timed({"a": 2.0, "b": 1.0}, calls))
+    assert autotune.choose("rule", "new", CANDIDATES, default="a") == "a"
+    assert calls == [] and not cache.exists()
+    with autotune.timing_window():
+        with autotune.timing_window():
+            assert autotune.choose("rule", "new", CANDIDATES, default="a") == "b"
+        assert autotune.timing_allowed()  # the outer window is still open
+    assert not autotune.timing_allowed()
+    assert autotune.choose("rule", "new", CANDIDATES, default="a") == "b"  # read, not timed
+    assert len(calls) == 1
+
+
+def test_always_times_every_new_key_wherever_it_is_met(cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(autotune, "time_candidates", _timed({"a": 2.0, "b": 1.0}, calls))
+    monkeypatch.setattr(autotune, "_enabled", None)
+    monkeypatch.setenv(autotune.ENV_SWITCH, "always")
+    assert autotune.enabled() and autotune.timing_allowed()
+    assert autotune.choose("rule", "anywhere", CANDIDATES, default="a") == "b"
+    assert len(calls) == 1
 
 
 def test_the_default_stays_unless_beaten_by_the_margin(cache, monkeypatch):
     close = {"a": 1.0, "b": 1.0 - autotune.MARGIN / 2}
     monkeypatch.setattr(autotune, "time_candidates", _timed(close, []))
-    assert autotune.choose("rule", "close", CANDIDATES, default="a") == "a"
+    with autotune.timing_window():
+        assert autotune.choose("rule", "close", CANDIDATES, default="a") == "a"
 
 
 def test_switched_off_the_default_is_chosen_untimed(cache, monkeypatch):
@@ -56,7 +83,8 @@ def test_switched_off_the_default_is_chosen_untimed(cache, monkeypatch):
     monkeypatch.setattr(autotune, "_enabled", None)
     monkeypatch.setenv(autotune.ENV_SWITCH, "0")
     assert not autotune.enabled()
-    assert autotune.choose("rule", "shape", CANDIDATES, default="b") == "b"
+    with autotune.timing_window():
+        assert autotune.choose("rule", "shape", CANDIDATES, default="b") == "b"
     autotune.set_enabled(False)
     monkeypatch.setenv(autotune.ENV_SWITCH, "1")
     assert autotune.choose("rule", "shape", CANDIDATES, default="a") == "a"

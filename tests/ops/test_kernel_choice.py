@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import long_attention_programs, lowered_text
 
-from attnjax.ops import attention, kernel_choice
+from attnjax.ops import attention, autotune, kernel_choice
 
 TPU_KERNEL = "tpu_custom_call"  # how a Pallas TPU kernel appears in StableHLO
 
@@ -106,3 +106,35 @@ def test_tpu_program_compiles_with_libtpu(tpu_devices):
     # (plus the output tuple's table of pointers)
     assert 3 * per_device <= memory.output_size_in_bytes < 3 * per_device + 1024
     assert text.count(f'custom_call_target="{TPU_KERNEL}"') == 3
+
+
+def test_one_cpu_timing_serves_every_shape_of_its_class(monkeypatch, tmp_path):
+    """Lengths up to the next power of two and batch x heads up to the next power of four share
+    a class: one timing (faked here) chooses for all of them, and a class never timed takes
+    the rule's default without timing."""
+    monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cpu_rules.json"))
+    monkeypatch.setattr(autotune, "_enabled", True)
+    monkeypatch.setattr(autotune, "_choices", {})
+    timed = []
+
+    def time_candidates(candidates):
+        timed.append(sorted(candidates))
+        return {name: 0.5 if name == "blocked" else 1.0 for name in candidates}
+
+    monkeypatch.setattr(autotune, "time_candidates", time_candidates)
+
+    def path(batch, length, heads):
+        shape = jax.ShapeDtypeStruct((batch, length, heads, 32), jnp.float32)
+        return attention.timed_cpu_path(shape, shape, shape, None, True, "explicit")
+
+    with autotune.timing_window():
+        assert path(2, 70, 4) == "blocked" and len(timed) == 1
+    assert path(3, 128, 4) == "blocked"  # 128 tokens, 12 rows: the class of 70 tokens, 8 rows
+    assert path(1, 100, 16) == "blocked"
+    assert len(timed) == 1
+    assert path(2, 129, 4) == "explicit"  # 256 tokens: never timed, the default untimed
+    assert path(8, 70, 4) == "explicit"  # 32 rows round up to 64
+    assert len(timed) == 1
+    assert kernel_choice.cpu_shape_class(
+        (2, 70, 4, 32), (2, 70, 4, 32), (2, 70, 4, 32), jnp.float32, True, None
+    ) == ("queries 128 keys 128 rows 16 dims 32/32 float32 causal True mask None")
