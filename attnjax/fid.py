@@ -6,7 +6,9 @@
     python -m attnjax.fid --inception inception.npz PATH_A PATH_B --metrics is,pr,kid
 
 A PATH is a folder of images, a statistics ``.npz`` (``mu``, ``sigma``: pytorch-fid's, read and
-written) or ``tfds:NAME:SPLIT``. The last line printed is ``FID: <value>``; ``--metrics`` adds
+written), ``tfds:NAME:SPLIT``, or image files as ``train.py`` reads them (``folder:ROOT`` in any
+layout, ``filelist:LISTS``, ``shards:DIR``: every image, its central square resized to
+``--image-size``). The last line printed is ``FID: <value>``; ``--metrics`` adds
 the Inception Score of PATH_A (``is``), precision and recall of PATH_A (generated) against
 PATH_B (real) (``pr``) and the KID (``kid``), on the same features, printed before it.
 ``--save-stats`` writes PATH's statistics to OUT.npz and never overwrites OUT.
@@ -30,6 +32,7 @@ from attnjax.metrics.features import (
     measure,
 )
 from attnjax.metrics.statistics import frechet_distance, save_statistics
+from attnjax.train import compilation_cache
 
 DIMS = (64, 192, 768, 2048)
 METRICS = ("is", "pr", "kid")
@@ -46,11 +49,12 @@ def evaluate(
     progress: bool = True,
     isc_splits: int = 10,
     kid_subset_size: int = 1000,
+    image_size: int = 0,
 ) -> dict[str, float]:
     """``{"fid": ...}`` of two PATHs, plus ``"is_mean"``, ``"is_std"`` (``"is"``, on PATH_A's
     ``"logits_unbiased"``), ``"precision"``, ``"recall"`` (``"pr"``) and ``"kid_mean"``,
     ``"kid_std"`` (``"kid"``) when asked; PATH_A is the generated set."""
-    opened = [sources.open_source(path, data_dir) for path in (path_a, path_b)]
+    opened = [sources.open_source(path, data_dir, image_size) for path in (path_a, path_b)]
     if extractor is None and not all(isinstance(s, sources.Statistics) for s in opened):
         raise ValueError("images need a network: pass --inception WEIGHTS.npz")
     keep = [[feature] if "pr" in metrics or "kid" in metrics else [] for _ in opened]
@@ -98,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--isc-splits", type=int, default=10, help="Inception Score splits")
     parser.add_argument("--kid-subset-size", type=int, default=1000, help="KID subset size")
     parser.add_argument("--data-dir", help="TFDS data dir (default $TFDS_DATA_DIR)")
+    parser.add_argument(
+        "--image-size", type=int, default=0, help="folder:/filelist:/shards: side (0: as is)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("path", nargs=2, help="folders, statistics .npz or tfds:NAME:SPLIT")
     return parser
@@ -126,7 +133,7 @@ def _run(args) -> list[str]:
         source, out = args.path
         if not out.endswith(".npz"):
             raise ValueError(f"--save-stats: OUT {out!r} must end in .npz")
-        opened = sources.open_source(source, args.data_dir)
+        opened = sources.open_source(source, args.data_dir, args.image_size)
         if isinstance(opened, sources.Statistics):
             raise ValueError(f"--save-stats: {source!r} holds statistics already, not images")
         if extractor is None:
@@ -144,6 +151,7 @@ def _run(args) -> list[str]:
         progress,
         args.isc_splits,
         args.kid_subset_size,
+        args.image_size,
     )
     lines = []
     if "is" in metrics:
@@ -157,6 +165,7 @@ def _run(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    compilation_cache.enable()
     try:
         lines = _run(args)
     except (ValueError, OSError) as error:

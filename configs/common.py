@@ -45,7 +45,8 @@ def training(task: str) -> ml_collections.ConfigDict:
 
 
 def image_data(name: str, *, mean, std) -> ml_collections.ConfigDict:
-    """A TFDS image classification dataset (``attnjax.data``) at native size, no augmentation."""
+    """An image dataset (``attnjax.data``) at native size, no augmentation: a TFDS name, or image
+    files (``folder:ROOT``, ``filelist:LISTS``, ``shards:DIR``: attnjax/data/folder.py)."""
     data = ml_collections.ConfigDict()
     data.name = name
     data.data_dir = ""  # "" -> $TFDS_DATA_DIR or ~/tensorflow_datasets
@@ -54,8 +55,24 @@ def image_data(name: str, *, mean, std) -> ml_collections.ConfigDict:
     data.image_key = "image"
     data.label_key = "label"
     data.image_size = 0  # 0: native size
+    data.channels = len(mean)  # image files are converted to this many (1: gray, 3: RGB)
+    # How an image becomes image_size x image_size (attnjax/data/preprocess.py): "resize" (the
+    # whole image), "random", "center" (the shorter side resized, a square cut), "inception".
+    data.train_crop = "resize"
+    data.eval_crop = "resize"
+    data.crop_fraction = 1.0  # random/center: the square is this share of the shorter side
+    data.inception_area = (0.05, 1.0)  # share of the image an inception crop covers
+    data.upscale = True  # False: a file smaller than the crops need is an error, not enlarged
     data.crop_padding = 0  # random shifts of up to this many pixels
     data.flip = False  # random left-right flips
+    # A folder without split folders: this share of its files (by a hash of each file's path and
+    # the seed, so adding files never moves others) is the eval split.
+    data.holdout_fraction = 0.1
+    data.holdout_seed = 0
+    data.skip_unreadable = False  # True: leave out (and count) files that do not decode
+    # grain's threads and worker processes that read, decode and crop (attnjax.data.make_iterator)
+    data.read_threads = 0
+    data.worker_count = 0
     data.mean = tuple(mean)
     data.std = tuple(std)
     return data

@@ -466,3 +466,21 @@ def pytorch_fid_statistics(state_dict, images, dims):
         features = adaptive_avg_pool2d(features, output_size=(1, 1))
     features = features.squeeze(3).squeeze(2).numpy().astype(np.float64)
     return features.mean(axis=0), np.cov(features, rowvar=False)
+
+
+def write_digits_folder(digits_dir, root):
+    """The embedded digits as PNG files in torchvision's ImageFolder layout,
+    ``root/<split>/<digit>/<index>.png`` (``index``: the digit's position in its split), for the
+    splits train and test -> ``root``."""
+    from PIL import Image
+
+    for split in ("train", "test"):
+        source = data.load_source("digits", split, digits_dir)
+        for i in range(len(source)):
+            record = source[i]
+            folder = os.path.join(root, split, str(int(record["label"])))
+            os.makedirs(folder, exist_ok=True)
+            Image.fromarray(np.asarray(record["image"])[..., 0]).save(
+                os.path.join(folder, f"{i:04d}.png")
+            )
+    return str(root)

@@ -1,6 +1,7 @@
-"""Input data: TFDS sources read through grain (``pipeline``), per-example transforms and pixel
-normalisation (``transforms``), the embedded digits dataset (``digits``) and PNG pictures
-(``images``).
+"""Input data: TFDS sources and image files read through grain (``pipeline``), image files as
+sources (``sources``: ``folder``, ``files``, ``shards``, ``decode``; ``prepare`` writes shards),
+per-example transforms and pixel normalisation (``preprocess``, ``transforms``), the embedded
+digits dataset (``digits``) and PNG pictures (``images``).
 
 The pipeline's public functions are re-exported here, so a caller writes ``data.make_datasets``.
 """
@@ -9,14 +10,17 @@ from attnjax.data.digits import DIGITS_TEST_SIZE, EMBEDDED_BUILDERS, Digits
 from attnjax.data.pipeline import (
     Datasets,
     default_data_dir,
+    eval_images,
     load_source,
     make_datasets,
     make_iterator,
+    open_split,
     padded_eval_dataset,
     per_process_batch_size,
     process_batches,
     records_in_memory,
 )
+from attnjax.data.sources import num_classes, unreadable_count, unreadable_metrics
 from attnjax.data.transforms import denormalize, normalize, random_crop_flip, resize
 
 __all__ = [
@@ -26,14 +30,19 @@ __all__ = [
     "Digits",
     "default_data_dir",
     "denormalize",
+    "eval_images",
     "load_source",
     "make_datasets",
     "make_iterator",
     "normalize",
+    "num_classes",
+    "open_split",
     "padded_eval_dataset",
     "per_process_batch_size",
     "process_batches",
     "random_crop_flip",
     "records_in_memory",
     "resize",
+    "unreadable_count",
+    "unreadable_metrics",
 ]

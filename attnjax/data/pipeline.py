@@ -1,10 +1,11 @@
-"""Input pipelines: TFDS ``data_source`` read through grain, plus the embedded ``digits`` dataset.
+"""Input pipelines: TFDS ``data_source`` or image files read through grain.
 
-Every dataset (the embedded digits, CIFAR-10, MNIST, ...) takes the same path::
+Every dataset (the embedded digits, CIFAR-10, MNIST, ..., a folder of your own images) takes the
+same path::
 
-    tfds.data_source(name, split, data_dir) -> grain.MapDataset
-        -> seeded shuffle (re-drawn every epoch) -> repeat -> resize
-        -> augmentation (random_map) -> normalise -> this process's rows of each global batch
+    source (tfds.data_source, or image files: attnjax.data.sources) -> grain.MapDataset
+        -> seeded shuffle (re-drawn every epoch) -> repeat -> decode, resize (preprocess.prepare)
+        -> crops and flips (random_map) -> normalise -> this process's rows of each global batch
 
 A train batch is ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}``; an eval batch
 adds ``"mask"`` float32 ``[batch]`` (0.0 on the padding that completes the last batch, so every
@@ -34,8 +35,9 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from attnjax.data import preprocess, sources
 from attnjax.data.digits import EMBEDDED_BUILDERS
-from attnjax.data.transforms import normalize, random_crop_flip, resize
+from attnjax.data.transforms import normalize
 
 
 class Datasets(NamedTuple):
@@ -123,27 +125,41 @@ def load_source(name: str, split: str, data_dir: str | None = None):
         raise ValueError(f"config.data split {split!r} of {name!r}: {e}") from e
 
 
-def _resize_fn(data_config) -> Callable[[dict], dict]:
-    """A record -> the same record with its image resized to ``data_config.image_size``."""
-    image_key, size = data_config.image_key, data_config.image_size
-
-    def resized(record):
-        return {**record, image_key: resize(np.asarray(record[image_key]), size)}
-
-    return resized
+def open_split(data_config, split: str):
+    """The random-access source of ``split`` of ``config.data``: image files (``folder:``,
+    ``filelist:``, ``shards:``; ``attnjax.data.sources``) or a TFDS dataset."""
+    if sources.file_kind(data_config.name):
+        return sources.open_split(data_config, split)
+    return load_source(data_config.name, split, data_config.get("data_dir"))
 
 
-def _example_fn(data_config) -> Any:
-    image_key, label_key, resized = (
-        data_config.image_key,
-        data_config.label_key,
-        _resize_fn(data_config),
-    )
+def _prepare_fn(data_config, transform) -> Callable[[dict], dict]:
+    """A record -> the same record with ``transform`` applied to its image."""
+    image_key = data_config.image_key
+
+    def prepared(record):
+        return {**record, image_key: transform(np.asarray(record[image_key]))}
+
+    return prepared
+
+
+def _example_fn(data_config, transform) -> Any:
+    image_key, label_key = data_config.image_key, data_config.label_key
 
     def example(record):
-        return {"image": resized(record)[image_key], "label": np.int32(record[label_key])}
+        image = transform(np.asarray(record[image_key]))
+        return {"image": image, "label": np.int32(record[label_key])}
 
     return example
+
+
+def eval_images(data_config, split: str, limit: int | None = None):
+    """The first ``limit`` (None: all) images of ``split`` as the eval pipeline reads them, uint8
+    ``[n, H, W, C]``, and their labels int32 ``[n]``."""
+    source = open_split(data_config, split)
+    example = _example_fn(data_config, preprocess.eval_fn(data_config))
+    records = [example(source[i]) for i in range(min(limit or len(source), len(source)))]
+    return np.stack([r["image"] for r in records]), np.asarray([r["label"] for r in records])
 
 
 def _normalize_fn(data_config):
@@ -205,24 +221,27 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
         config.get("eval_batch_size") or config.batch_size, process_count, "config.eval_batch_size"
     )
 
-    train_source = load_source(data.name, data.train_split, data.data_dir)
-    eval_source = load_source(data.name, data.eval_split, data.data_dir)
-    example, normalize = _example_fn(data), _normalize_fn(data)
+    train_source = open_split(data, data.train_split)
+    eval_source = open_split(data, data.eval_split)
+    prepare, augment = preprocess.prepare_fn(data), preprocess.augment_fn(data)
+    example, normalize = _example_fn(data, prepare), _normalize_fn(data)
+    eval_example = _example_fn(data, preprocess.eval_fn(data))
 
-    # Kept records are resized once; ``example`` below then finds them at size (and leaves them).
-    train = grain.MapDataset.source(records_in_memory(train_source, _resize_fn(data)))
+    # Kept records are prepared once; ``example`` below then finds them prepared (and leaves
+    # them). Files are not decoded ahead on this thread when grain has threads or workers for it.
+    workers = data.get("read_threads", 0) or data.get("worker_count", 0)
+    if not (workers and sources.file_kind(data.name)):
+        train_source = records_in_memory(train_source, _prepare_fn(data, prepare))
+    train = grain.MapDataset.source(train_source)
     num_train = len(train)
     if num_train < config.batch_size:
         raise ValueError(
             f"config.batch_size={config.batch_size} is larger than the "
             f"{num_train} train examples of {data.name!r}."
         )
-    padding, flip = data.get("crop_padding", 0), data.get("flip", False)
     train = train.seed(config.seed).shuffle().repeat(None).map(example)
-    if padding or flip:
-        train = train.random_map(
-            lambda ex, rng: {**ex, "image": random_crop_flip(ex["image"], rng, padding, flip)}
-        )
+    if augment:
+        train = train.random_map(lambda ex, rng: {**ex, "image": augment(ex["image"], rng)})
     train = process_batches(train.map(normalize), config.batch_size, process_index, process_count)
 
     evaluation = padded_eval_dataset(
@@ -230,7 +249,7 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
         eval_batch,
         process_index=process_index,
         process_count=process_count,
-        transform=lambda record: normalize(example(record)),
+        transform=lambda record: normalize(eval_example(record)),
     )
     return Datasets(
         train=train,

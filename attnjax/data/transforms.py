@@ -60,3 +60,66 @@ def denormalize(images, data_config):
     """
     mean, std = _mean_std(data_config)
     return images * std + mean
+
+
+def _pil(image: np.ndarray) -> Image.Image:
+    return Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+
+
+def _array(pil: Image.Image) -> np.ndarray:
+    pixels = np.asarray(pil)
+    return pixels[..., None] if pixels.ndim == 2 else pixels
+
+
+def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear resize of ``[H, W, C]`` so that its shorter side is ``size``, the aspect ratio
+    kept (taming's ``SmallestMaxSize``); an image already that size is returned as it is."""
+    height, width = image.shape[:2]
+    if min(height, width) == size:
+        return image
+    scale = size / min(height, width)
+    shape = (max(size, round(width * scale)), max(size, round(height * scale)))
+    return _array(_pil(image).resize(shape, Image.BILINEAR))
+
+
+def center_crop(image: np.ndarray, size: int) -> np.ndarray:
+    """The central ``[size, size]`` window (the top-left one of the two where a side's surplus
+    is odd)."""
+    height, width = image.shape[:2]
+    top, left = (height - size) // 2, (width - size) // 2
+    return image[top : top + size, left : left + size]
+
+
+def random_crop(image: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+    """A ``[size, size]`` window at a uniformly drawn offset (taming's ``RandomCrop``)."""
+    height, width = image.shape[:2]
+    top, left = rng.integers(0, height - size + 1), rng.integers(0, width - size + 1)
+    return image[top : top + size, left : left + size]
+
+
+def inception_crop(
+    image: np.ndarray,
+    rng: np.random.Generator,
+    size: int,
+    area: tuple[float, float] = (0.05, 1.0),
+    aspect: tuple[float, float] = (3 / 4, 4 / 3),
+) -> np.ndarray:
+    """A random window covering ``area`` of the image (a fraction, drawn uniformly) with an aspect
+    ratio drawn log-uniformly from ``aspect``, resized to ``[size, size]`` (the "Inception" crop:
+    big_vision's ``inception_crop``, torchvision's ``RandomResizedCrop``). Ten draws that do not
+    fit the image fall back to the largest central window of a ratio inside ``aspect``."""
+    height, width = image.shape[:2]
+    log_aspect = np.log(aspect)
+    for _ in range(10):
+        target = height * width * rng.uniform(*area)
+        ratio = np.exp(rng.uniform(*log_aspect))
+        w, h = round(np.sqrt(target * ratio)), round(np.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            top, left = rng.integers(0, height - h + 1), rng.integers(0, width - w + 1)
+            break
+    else:
+        ratio = np.clip(width / height, *aspect)
+        w, h = min(width, round(height * ratio)), min(height, round(width / ratio))
+        top, left = (height - h) // 2, (width - w) // 2
+    box = (left, top, left + w, top + h)
+    return _array(_pil(image).resize((size, size), Image.BILINEAR, box=box))

@@ -4,7 +4,10 @@
   order (sorted paths), read as RGB and scaled to [0, 1] as ``ToTensor`` does;
 - a ``.npz`` file: precomputed statistics, ``mu`` and ``sigma`` (pytorch-fid's format);
 - ``tfds:NAME:SPLIT`` (``tfds:cifar10:test``, ``tfds:mnist:train[:10000]``): the ``image`` of
-  every example of a prepared TFDS split, gray images repeated to three channels.
+  every example of a prepared TFDS split, gray images repeated to three channels;
+- image files as training reads them (``folder:ROOT``, ``filelist:LISTS``, ``shards:DIR``,
+  ``attnjax.data.folder``): every image of both splits (``train``, ``test``), in any folder
+  layout, as RGB, each cut to its central square and resized to ``image_size`` (0: kept).
 
 - images in memory (``ArrayImages``): generated samples, reconstructions, a decoded split.
 
@@ -20,7 +23,9 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from attnjax.data import pipeline
+from attnjax.data import folder, pipeline, shards, transforms
+from attnjax.data.decode import decode_image
+from attnjax.data.sources import file_kind
 from attnjax.metrics.statistics import load_statistics
 
 # pytorch-fid's IMAGE_EXTENSIONS; as there, lower-case only.
@@ -109,6 +114,38 @@ class TfdsSplit:
             yield _stack(images, [f"example {i}" for i in indices], self.path)
 
 
+class DataImages:
+    """Every image of both splits of image files (``folder:``, ``filelist:``, ``shards:``)."""
+
+    SPLITS = ("train", "test")
+
+    def __init__(self, spec: str, image_size: int = 0):
+        self.path, self.image_size = spec, image_size
+        kind, location = file_kind(spec)
+        if kind == "shards":
+            lists = [shards.split_list(location, split) for split in self.SPLITS]
+            self.sources = [shards.ShardSource(location, split, 3) for split in self.SPLITS]
+            self.items = [(s, i) for s in self.sources for i in range(len(s))]
+        else:
+            lists = folder.list_splits(kind, location, self.SPLITS, fraction=0.5).values()
+            self.items = [(path, None) for images in lists for path in images.paths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _read(self, item) -> np.ndarray:
+        where, index = item
+        image = decode_image(where, 3, where) if index is None else where[index]["image"]
+        square = transforms.center_crop(image, min(image.shape[:2]))
+        return transforms.resize(square, self.image_size)
+
+    def batches(self, size: int) -> Iterator[np.ndarray]:
+        for start in range(0, len(self), size):
+            items = self.items[start : start + size]
+            images = [self._read(item) for item in items]
+            yield _stack(images, [f"image {start + i}" for i in range(len(items))], self.path)
+
+
 class ArrayImages:
     """Images held in memory, ``[n, H, W, C]`` floats in [0, 1], as given (no channel change:
     a domain network may read gray images); ``path`` names them in messages."""
@@ -129,10 +166,13 @@ class ArrayImages:
             yield self.images[start : start + size]
 
 
-def open_source(spec: str, data_dir: str | None = None):
-    """``spec`` (a folder, a statistics ``.npz`` or ``tfds:NAME:SPLIT``) -> ``Statistics``,
-    ``ImageFolder`` or ``TfdsSplit``; ``data_dir``: TFDS's (default ``$TFDS_DATA_DIR``)."""
+def open_source(spec: str, data_dir: str | None = None, image_size: int = 0):
+    """``spec`` (a folder, a statistics ``.npz``, ``tfds:NAME:SPLIT`` or image files as training
+    reads them) -> ``Statistics``, ``ImageFolder``, ``TfdsSplit`` or ``DataImages``;
+    ``data_dir``: TFDS's (default ``$TFDS_DATA_DIR``); ``image_size``: of ``DataImages``."""
     spec = os.fspath(spec)
+    if file_kind(spec):
+        return DataImages(spec, image_size)
     if spec.startswith("tfds:"):
         parts = spec.split(":", 2)  # a split may hold colons itself: test[:100]
         if len(parts) != 3 or not parts[1] or not parts[2]:

@@ -58,6 +58,10 @@ Optional::
         whose iterator state is checkpointed, and a finite padded eval ``MapDataset`` from
         ``attnjax.data.padded_eval_dataset``).
 
+    complete_config(config) -> None
+        Called before the loop starts: fills in fields the data decides (the classifier's class
+        count from a folder's class folders), so that ``config.json`` holds them.
+
     write_images(state, batch, *, config, model, workdir, step) -> None
         Called after each evaluation with the first eval batch (host numpy); writes PNGs under
         ``workdir`` (e.g. reconstructions, samples, predicted vs true labels).
@@ -95,7 +99,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     resuming from the workdir's latest checkpoint if any; returns the final metrics."""
     if "task" not in config:
         raise ValueError("config lacks the training-loop field 'task'.")
-    return loop.train_and_evaluate(config, workdir, get_task(config.task))
+    task = get_task(config.task)
+    if hasattr(task, "complete_config"):
+        task.complete_config(config)
+    return loop.train_and_evaluate(config, workdir, task)
 
 
 def get_task(name: str) -> types.ModuleType:

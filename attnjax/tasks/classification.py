@@ -54,6 +54,20 @@ def create_model(config) -> nn.Module:
     return MODELS[name](variant, **kwargs)
 
 
+def complete_config(config) -> None:
+    """``config.model.num_classes = 0``: the classes of ``config.data``'s image files (their
+    class folders), written into the config."""
+    if config.model.get("num_classes", None) != 0:
+        return
+    classes = data.num_classes(config.data)
+    if classes < 2:
+        raise ValueError(
+            f"config.model.num_classes=0 takes the class folders of config.data.name="
+            f"{config.data.name!r}, which has {classes}; expected at least 2 classes"
+        )
+    config.model.num_classes = classes
+
+
 def label_smoothed_cross_entropy(logits, labels, label_smoothing: float = 0.0):
     """Per-example softmax cross-entropy against one-hot labels smoothed by ``label_smoothing``.
 
@@ -245,6 +259,11 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.88, hspace=0.35)
     fig.savefig(os.path.join(workdir, "eval_images.png"), dpi=100)
     plt.close(fig)
+
+
+def finalize(state: TrainState, metrics, *, config, model, workdir):
+    """``data/unreadable_files``: the files ``config.data.skip_unreadable`` left out."""
+    return data.unreadable_metrics(config.data)
 
 
 def make_predict(workdir: str, **load_kwargs) -> tuple[Any, Any]:

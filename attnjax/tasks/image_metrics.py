@@ -73,14 +73,9 @@ def feature_network(config) -> tuple[FeatureExtractor, str]:
 
 
 def first_images(data_config, split: str, limit: int) -> np.ndarray:
-    """The first ``limit`` images of a TFDS split, resized and normalised as the eval pipeline
-    reads them: ``[n, H, W, C]`` on the model's scale."""
-    source = data.load_source(data_config.name, split, data_config.get("data_dir"))
-    images = [
-        data.resize(np.asarray(source[i][data_config.image_key]), data_config.image_size)
-        for i in range(min(limit, len(source)))
-    ]
-    return data.normalize(np.stack(images), data_config)
+    """The first ``limit`` images of a split, cropped and normalised as the eval pipeline reads
+    them: ``[n, H, W, C]`` on the model's scale."""
+    return data.normalize(data.eval_images(data_config, split, limit)[0], data_config)
 
 
 def in_batches(fn, inputs: np.ndarray, batch_size: int) -> np.ndarray:

@@ -448,9 +448,10 @@ def finalize(state: TrainState, metrics, *, config, model, workdir):
         _to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data)
     )
     save_image_grid(decoded, os.path.join(workdir, "codebook.png"), 16, scale=3)
+    counts = data.unreadable_metrics(config.data)
     if not image_metrics.enabled(config) or jax.process_index() != 0:
-        return {}
-    return reconstruction_fid(autoencoder, variables, config)
+        return counts
+    return {**counts, **reconstruction_fid(autoencoder, variables, config)}
 
 
 def reconstruction_fid(autoencoder: vqgan.VQGAN, variables, config) -> dict:

@@ -1,6 +1,6 @@
 """A trained VQGAN's codes of a dataset split, the prior's data, cached on disk.
 
-The VQGAN run's dataset (its ``config.data``: same TFDS source, size and normalisation) is
+The VQGAN run's dataset (its ``config.data``: same source, size, crop and normalisation) is
 encoded once to token grids, flattened in raster order, and cached as ``.npz`` (the prior puts
 the cache next to the VQGAN, ``<vqgan_workdir>/codes/``, unless ``config.codes_cache_dir`` says
 otherwise). The cache key hashes the VQGAN workdir, its checkpoint step, its parameters and the
@@ -79,18 +79,13 @@ def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
 
 
 def load_images(data_config, split: str, shifts: int):
-    """Normalised images ``[N * (2 shifts + 1)^2, H, W, C]`` and labels of a TFDS split."""
-    source = data.load_source(data_config.name, split, data_config.get("data_dir"))
-    images, labels = [], []
+    """Normalised images ``[N * (2 shifts + 1)^2, H, W, C]`` and labels of a split, each image as
+    the eval pipeline reads it."""
+    images, labels = data.eval_images(data_config, split)
     offsets = [(dy, dx) for dy in range(-shifts, shifts + 1) for dx in range(-shifts, shifts + 1)]
-    for i in range(len(source)):
-        record = source[i]
-        image = data.resize(np.asarray(record[data_config.image_key]), data_config.image_size)
-        for dy, dx in offsets:
-            images.append(_shift(image, dy, dx))
-            labels.append(int(record[data_config.label_key]))
-    images = data.normalize(np.stack(images), data_config)
-    return images, np.asarray(labels, np.int32)
+    shifted = [_shift(image, dy, dx) for image in images for dy, dx in offsets]
+    labels = np.repeat(labels.astype(np.int32), len(offsets))
+    return data.normalize(np.stack(shifted), data_config), labels
 
 
 def _encode_indices(model, variables, images):
@@ -110,7 +105,10 @@ def encode_split(
             "params": _params_digest(vqgan.variables),
             "data": {
                 k: data_config.get(k)
-                for k in ("name", "image_size", "image_key", "label_key", "mean", "std")
+                for k in (
+                    *("name", "image_size", "image_key", "label_key", "mean", "std"),
+                    *("eval_crop", "crop_fraction", "channels", "holdout_fraction", "holdout_seed"),
+                )
             },
             "split": split,
             "shifts": shifts,
