@@ -20,6 +20,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from attnjax import compat
 from attnjax.compile import run as compile_only
 from attnjax.tasks import train_and_evaluate
 from attnjax.train import compilation_cache, parallel, preemption
@@ -53,14 +54,16 @@ def main(argv):
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    compilation_cache.enable()
     if _COMPILE_ONLY.value:
+        if compat.persistent_cache_reloads_compile_only_programs():
+            compilation_cache.enable()
         try:
             status = compile_only(config, _COMPILE_ONLY.value, config_name=_config_name())
         except ValueError as error:
             print(f"train.py: error: {_one_line(error)}", file=sys.stderr)
             status = 1
         sys.exit(status)
+    compilation_cache.enable()
     try:
         parallel.use_cpu_cores(config)
         metrics = train_and_evaluate(config, _WORKDIR.value)

@@ -25,3 +25,11 @@ def xla_cpu_loop_emitter_flags() -> list[str]:
     if _version("jaxlib") < (0, 11, 1):
         return ["--xla_cpu_use_fusion_emitters=false"]
     return []
+
+
+def persistent_cache_reloads_compile_only_programs() -> bool:
+    """Whether JAX's persistent compilation cache can read back a program compiled for
+    compile-only devices (``attnjax.compile``'s TPU and GPU targets): jaxlib 0.10.2 does; 0.12
+    refuses each entry with a warning ("PjRtCompiler must be constructed with a Client"), so
+    the compile command keeps the cache off there. 0.11 is taken as 0.12 (not measured)."""
+    return _version("jaxlib") < (0, 11)

@@ -5,6 +5,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from attnjax import compat
 from attnjax.compile import run, targets
 from attnjax.train import compilation_cache
 
@@ -16,7 +17,8 @@ _JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    compilation_cache.enable()
+    if compat.persistent_cache_reloads_compile_only_programs():
+        compilation_cache.enable()
     try:
         status = run(
             _CONFIG.value,

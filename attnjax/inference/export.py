@@ -47,8 +47,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax.train import compilation_cache
-
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
@@ -273,6 +271,9 @@ def main(argv=None):
         help=f"comma-separated, of {','.join(PLATFORMS)} (default: this machine's)",
     )
     args = parser.parse_args(argv)
+    # Here, not at the top: loading an export must not import the training side.
+    from attnjax.train import compilation_cache
+
     compilation_cache.enable()
     platforms = None if args.platforms is None else tuple(args.platforms.split(","))
     try:
