@@ -24,12 +24,13 @@ convolutions run on one thread), the forward pass and the input gradient staying
 
 each ``[c_in, c_out]``. Whether that beats the convolution XLA derives for it depends on the
 processor (faster on one 2-core EPYC, 1.5x slower in a VQGAN step on a 2-core Xeon), so it is
-timed against XLA's once per shape on the machine at hand (``attnjax.ops.autotune``); with the
-timing off, XLA's own runs. Smaller maps, fewer channels and one CPU device per core
-(``attnjax.train.parallel.use_cpu_cores``, every core already busy with its share of the batch)
-keep XLA's own without timing. Every other case is ``lax.conv_general_dilated``.
-The measurements behind these rules: benchmarks/results/cpu_rules.md. Outputs and gradients
-equal XLA's to float32 rounding (``tests/ops/test_convolution.py``).
+timed against XLA's once per shape on the machine at hand, in a training run's first step
+(``attnjax.ops.autotune``); with the timing off or outside a run, XLA's own runs. Smaller
+maps, fewer channels and one CPU device per core (``attnjax.train.parallel.use_cpu_cores``,
+every core already busy with its share of the batch) keep XLA's own without timing. Every other
+case is ``lax.conv_general_dilated``. The measurements behind these rules:
+benchmarks/results/cpu_rules.md. Outputs and gradients equal XLA's to float32 rounding
+(``tests/ops/test_convolution.py``).
 """
 
 from __future__ import annotations

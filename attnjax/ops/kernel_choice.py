@@ -6,7 +6,7 @@ the kernel is picked for the platform the program is compiled for, not for the h
 it. A program traced on a CPU and compiled for a TPU carries the TPU's kernel.
 
 * ``"cpu"``: below ``CPU_TIMED_BELOW`` tokens the fastest of XLA's fused attention, einsum +
-  softmax (``"explicit"``) and the blocked path, timed once per shape on the machine
+  softmax (``"explicit"``) and the blocked path, timed once per class of shapes on the machine
   (``attnjax.ops.autotune``): which wins differs between processors, shapes and loads
   (benchmarks/results/cpu_rules.md). A differentiated call (training) takes the fastest forward
   + backward, a forward-only call (inference) the fastest forward: the two rank the paths
