@@ -26,9 +26,13 @@ echo "newest: attnjax installed beside jax/jaxlib $after, left in place"
 
 cd /src
 export JAX_COMPILATION_CACHE_DIR=/root/.jax_cache
+# Each part runs even when one before it failed (all three are reported); any failure fails.
+status=0
 echo "== newest: the suite (the tests that need no PyTorch: no CPU PyTorch wheel for this Python)"
-$PY -m pytest -n 2 --dist loadgroup -m "not cuda" -p no:cacheprovider tests
+$PY -m pytest -n 2 --dist loadgroup -m "not cuda" -p no:cacheprovider tests || status=1
 echo "== newest: demo.py"
-rm -rf /tmp/demo && $PY demo.py --workdir /tmp/demo
+rm -rf /tmp/demo
+$PY demo.py --workdir /tmp/demo || status=1
 echo "== newest: python -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4"
-$PY -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4
+$PY -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4 || status=1
+exit $status
