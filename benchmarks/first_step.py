@@ -43,7 +43,8 @@ ROWS = {  # name: (description, train.py flags, torch batch)
         f"ViT-B/16 at 224 px, batch {B16_BATCH}",
         [
             "configs/vit_folder.py",
-            "--config.model.variant=B/16",
+            *("--config.model.width=768", "--config.model.num_heads=12"),
+            "--config.model.mlp_dim=3072",
             "--config.data.image_size=224",
             f"--config.batch_size={B16_BATCH}",
             f"--config.eval_batch_size={B16_BATCH}",
@@ -132,6 +133,13 @@ def prepare(directory: pathlib.Path) -> tuple[str, str, str]:
     return str(data_dir), str(vqgan), str(folder)
 
 
+def import_seconds(env: dict) -> float:
+    """Seconds to start Python and import what train.py imports (the floor of every row)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import train"], cwd=ROOT, env=env, check=True)
+    return time.perf_counter() - start
+
+
 def row(name: str, directory: pathlib.Path, inputs) -> dict:
     description, flags, batch = ROWS[name]
     data_dir, vqgan, folder = inputs
@@ -155,15 +163,20 @@ def row(name: str, directory: pathlib.Path, inputs) -> dict:
 def table(rows: list[dict], machine: dict) -> str:
     lines = [
         f"Machine: {machine['processor']}, {machine['cores']} cores; "
-        f"jax {machine['jax']}, torch {machine['torch']}.",
+        f"jax {machine['jax']}, torch {machine['torch']}; load average "
+        f"{machine['load_before']} before, {machine['load_after']} after.",
         "",
-        "| workload | attnjax cold (s) | attnjax warm (s) | PyTorch eager (s) | "
+        f"Starting Python and importing train.py's modules: {machine['import_seconds']:.1f} s "
+        "(part of every attnjax time below).",
+        "",
+        "| workload | attnjax cold (s) | attnjax warm (s) | cold / warm | PyTorch eager (s) | "
         "cold / PyTorch | warm / PyTorch |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['description']} | {r['attnjax_cold']:.1f} | {r['attnjax_warm']:.1f} | "
+            f"{r['attnjax_cold'] / r['attnjax_warm']:.2f} | "
             f"{r['torch']:.1f} | {r['attnjax_cold'] / r['torch']:.2f} | "
             f"{r['attnjax_warm'] / r['torch']:.2f} |"
         )
@@ -189,6 +202,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         directory = pathlib.Path(directory)
         inputs = prepare(directory)
+        env = environment(str(directory / "imports"))
+        machine["import_seconds"] = round(min(import_seconds(env) for _ in range(3)), 2)
         rows = [row(name, directory, inputs) for name in args.rows.split(",")]
     machine["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     text = table(rows, machine)
