@@ -15,8 +15,10 @@ adds the traceback); 75 (``EX_TEMPFAIL``) stopped by SIGTERM/SIGINT after saving
 step: requeue, rerunning the same command continues (``attnjax/preemption.py``).
 """
 
+import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -41,6 +43,17 @@ _COMPILE_ONLY = flags.DEFINE_string(
 def _one_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _exit_failed():
+    """Status 1. One process of several leaves at once: JAX's shutdown at exit waits at a barrier
+    for every process, where a dead or failed peer would hold it ``shutdown_timeout_seconds``
+    (300 s). The run has closed what it held already (checkpoint writes, the lock)."""
+    if jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(1)
 
 
 def _config_name() -> str:
@@ -76,7 +89,7 @@ def main(argv):
         print(
             f"train.py: error: {_one_line(error)} (--verbose shows the traceback)", file=sys.stderr
         )
-        sys.exit(1)
+        _exit_failed()
     summary = ", ".join(
         f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
     )

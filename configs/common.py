@@ -29,6 +29,10 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.parallel = "jit"  # or "pmap"
     config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False  # True on multi-host clusters
+    config.heartbeat_timeout_seconds = 300  # a process silent this long is declared dead
+    # No progress in a step, evaluation or save for longer than this ends the process (status
+    # 124): max(floor, factor * the measured time), first_seconds while compiling.
+    config.watchdog = {"floor_seconds": 120.0, "factor": 20.0, "first_seconds": 1800.0}
     config.cpu_devices = 0  # CPU only: devices (cores) the batch splits over; 0: one per core
     config.nonfinite = "stop"  # or "skip": drop a non-finite update and go on
     config.max_skipped_steps = 10  # with "skip": stop after this many in a row

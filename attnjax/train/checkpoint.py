@@ -6,7 +6,8 @@ A workdir holds::
     checkpoints/<step>/      latest checkpoints: "state" (the task's train state as a nested
                              dict: step, params, opt_state, ...; each process writes the shards
                              it holds) and "data" (each process's train iterator state,
-                             ``process_<i>-of-<n>.json``), the last ``max_to_keep`` kept
+                             ``process_<i>-of-<n>.json``: the global data position, the same
+                             on every process), the last ``max_to_keep`` kept
     checkpoints_best/<step>/ optional: the state at the best ``config.best_metric`` so far
 
 Saving is asynchronous (Orbax copies to host, then writes in a background thread);
@@ -14,7 +15,8 @@ Saving is asynchronous (Orbax copies to host, then writes in a background thread
 the latest checkpoint (state, optimiser state, data iterator position, step; per-step RNG keys
 are derived from ``(seed, step)``), so it continues exactly where it stopped. A checkpoint
 restores onto any mesh (its arrays are resharded to the target's layout), e.g. one written by
-8 devices with sharded parameters restores whole on one device for inference.
+8 devices with sharded parameters restores whole on one device for inference, and a run saved
+by N processes resumes on any number (``attnjax.train.elastic``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from attnjax.train import checkpoint_integrity
+from attnjax.train import checkpoint_integrity, elastic
 
 CONFIG_FILE = "config.json"
 # Config fields besides ``task`` that define the model a checkpoint holds, for a task that
@@ -171,18 +173,35 @@ class Checkpointer:
     def restore(self, state, iterator, step: int | None = None):
         """Restores into the structure and shardings of ``state`` (placed device arrays, or host
         arrays on one process) -> the restored state; ``iterator`` (this process's train
-        iterator) is set to its saved position."""
+        iterator) is set to its saved position.
+
+        Any process count resumes a checkpoint that holds a global data position
+        (``attnjax.train.elastic``); per-worker iterator states need the count that saved them
+        (else ``CheckpointLayoutError``, one line naming both)."""
         step = self.manager.latest_step() if step is None else step
         target = jax.tree.map(
             ocp.utils.to_shape_dtype_struct, flax.serialization.to_state_dict(state)
         )
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
-                data=grain.checkpoint.CheckpointRestore(iterator),
-            ),
-        )
+        states = elastic.saved_iterator_states(self.manager.directory / str(step) / "data")
+        position = elastic.saved_position(states)
+        current = iterator.get_state()
+        if position is not None and elastic.position(current) is not None:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )
+            iterator.set_state(elastic.iterator_state(position))
+        elif len(states) == jax.process_count():
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target),
+                    data=grain.checkpoint.CheckpointRestore(iterator),
+                ),
+            )
+        else:
+            raise elastic.layout_error(
+                self.manager.directory, step, states, jax.process_count(), current
+            )
         return flax.serialization.from_state_dict(state, restored["state"])
 
     def restore_intact(self, state, iterator):

@@ -17,6 +17,7 @@ import re
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -32,13 +33,31 @@ class DamagedCheckpointError(RuntimeError):
     """No checkpoint of the workdir could be restored."""
 
 
+class CheckpointLayoutError(ValueError):
+    """An intact checkpoint that this run's layout (its processes, its data pipeline) cannot
+    resume: never taken for damage, never moved aside."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the ones written before are intact."""
 
 
 def _all_finite(tree) -> bool:
-    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
-    return all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.inexact))
+    """Whether every float of ``tree`` is finite. Arrays split over several processes are
+    checked by one jitted reduction that every process runs (no process can read the others'
+    shards), so all of them reach the same verdict."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    split = [x for x in leaves if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    local = [np.asarray(x) for x in leaves if not any(x is y for y in split)]
+    if not all(np.isfinite(x).all() for x in local):
+        return False
+    if not split:
+        return True
+    whole = jax.sharding.NamedSharding(split[0].sharding.mesh, jax.sharding.PartitionSpec())
+    finite = jax.jit(
+        lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]).all(), out_shardings=whole
+    )(split)
+    return bool(finite)
 
 
 def move_aside(directory: str, step: int) -> str:
@@ -61,13 +80,16 @@ def restore_newest_intact(
     """``restore(step) -> state`` of the newest of ``steps`` that restores with finite values
     -> ``(step, state)``; damaged ones are moved aside with a warning
     and ``on_moved()`` called (to rescan the directory). Raises ``DamagedCheckpointError``
-    (one line naming the directory and steps) when none is intact."""
+    (one line naming the directory and steps) when none is intact; a
+    ``CheckpointLayoutError`` from ``restore`` passes unchanged (the checkpoint is healthy)."""
     damaged = []
     for step in sorted(steps, reverse=True):
         try:
             state = restore(step)
             if not _all_finite(state):
                 raise ValueError("non-finite values")
+        except CheckpointLayoutError:
+            raise
         except Exception as error:  # any failure to read a step means that step is unusable
             reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
             if jax.process_index() == 0:
@@ -121,9 +143,10 @@ def disk_full_as_write_error(directory: str):
         code = disk_full_errno(error)
         if code is None:
             raise
+        who = f"process {jax.process_index()} " if jax.process_count() > 1 else ""
         raise CheckpointWriteError(
             code,
-            f"could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
+            f"{who}could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
             f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
             f"(or raise the file size limit) and rerun the same command",
         ) from error

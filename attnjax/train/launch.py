@@ -8,9 +8,11 @@ local port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, which
 ``attnjax.train.parallel.maybe_initialize_distributed`` turns into ``jax.distributed.initialize``.
 ``--devices-per-process N`` gives each process N simulated CPU devices
 (``--xla_force_host_platform_device_count``). Output lines are prefixed ``[p<i>]``. When one
-process fails (or is killed), the others are killed too (a collective would wait for it
-forever) and the launcher exits with the failed process's code (128 + N when signal N killed
-it); 0 when all succeed.
+process fails (or is killed, or its watchdog ends it: status 124), the others are killed too (a
+collective would wait for it) and the launcher exits with the failed process's code (128 + N
+when signal N killed it); 0 when all succeed. A process that stopped for a preemption (status
+75) is not a failure: the others stop at the same step after saving it, so they are given
+``REQUEUE_GRACE_SECONDS`` to do so before they are killed, and the launcher exits 75.
 On a GPU cluster or TPU pod use the scheduler instead (see docs/scaling.md).
 """
 
@@ -26,6 +28,16 @@ import threading
 import time
 
 GRACE_SECONDS = 5.0
+# The others of a preempted run save the same step and stop; their own watchdogs bound that too.
+REQUEUE_GRACE_SECONDS = 300.0
+# attnjax.train.preemption.REQUEUE_EXIT_CODE and watchdog.EXIT_CODE, not imported: the launcher
+# starts in a moment without JAX (tests/train/test_multiprocess_faults.py checks they agree).
+REQUEUE_EXIT_CODE = 75
+WATCHDOG_EXIT_CODE = 124
+MEANINGS = {
+    REQUEUE_EXIT_CODE: "stopped for a preemption after saving",
+    WATCHDOG_EXIT_CODE: "its watchdog saw no progress within the bound",
+}
 
 
 def free_port() -> int:
@@ -141,14 +153,20 @@ def _start(command: list[str], env: dict, index: int, lock: threading.Lock):
 
 def _wait(procs: list, lock: threading.Lock) -> int:
     """Waits for every process -> 0, or the exit code of the first that failed, once the
-    others are killed."""
+    others are killed. A preempted process's peers get ``REQUEUE_GRACE_SECONDS`` to save the
+    same step and stop by themselves."""
+    requeued_at = None
     while [p.poll() for p in procs].count(None):  # polls every one (any() would stop early)
         failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-        if failed:
-            index, code = failed[0]
+        preempted = all(code == REQUEUE_EXIT_CODE for _, code in failed)
+        if failed and preempted:
+            requeued_at = requeued_at or time.monotonic()
+        if failed and (not preempted or time.monotonic() - requeued_at > REQUEUE_GRACE_SECONDS):
+            index, code = next((f for f in failed if f[1] != REQUEUE_EXIT_CODE), failed[0])
+            meaning = f" ({MEANINGS[code]})" if code in MEANINGS else ""
             with lock:
                 print(
-                    f"[launch] process {index} exited with {code}; stopping the others",
+                    f"[launch] process {index} exited with {code}{meaning}; stopping the others",
                     flush=True,
                 )
             _kill(procs)

@@ -3,9 +3,10 @@
 Order of business, so that a bad config fails before anything in the workdir changes:
 task, parallel mode and batch divisibility, model identity against existing checkpoints,
 model, data, train state (optimiser), and only then the workdir lock, checkpoints, config.json
-and logs. What the run holds open (the lock, the checkpointer, the metric writer, the progress
-bar, the signal handlers) sits on one ``contextlib.ExitStack``: closed in reverse, so the
-checkpointer's pending writes finish before the lock is released, whatever ended the run.
+and logs. What the run holds open (the lock, the watchdog, the checkpointer, the metric writer,
+the progress bar, the signal handlers) sits on one ``contextlib.ExitStack``: closed in reverse,
+so the checkpointer's pending writes finish before the lock is released, whatever ended the run,
+and the watchdog (``attnjax.train.watchdog``) bounds each phase, that wait included.
 
 Per-step RNG keys are ``fold_in(key(seed), step)``, the data stream is a function of the seed
 and the iterator position, and both the state and the iterator position are checkpointed, so a
@@ -39,6 +40,7 @@ from attnjax.train import (
     preemption,
     report,
     sharding,
+    watchdog,
     workdir_lock,
 )
 
@@ -62,6 +64,7 @@ def _check_loop_fields(config) -> None:
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
     nonfinite.check_config(config)
+    watchdog.settings(config)
     parallel.cpu_devices_wanted(config)  # rejects a negative config.cpu_devices
 
 
@@ -129,8 +132,14 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     with contextlib.ExitStack() as stack:
         if is_main:  # registered once taken: a failure to take it releases no one's lock
             stack.callback(workdir_lock.release, workdir, workdir_lock.acquire(workdir))
+        # Bounds every phase from here on: a dead or stalled peer never hangs this process.
+        progress = watchdog.Watchdog(config, workdir)
+        stack.callback(progress.stop)
+        stack.enter_context(_published())  # a failure while closing, too
+        progress.enter("restore", 0)
         ckpt = checkpoint.Checkpointer(workdir, config)
         stack.callback(ckpt.close)  # waits for pending writes
+        stack.callback(progress.enter, "save")  # the wait for the pending writes
         train_iter = data.make_iterator(datasets.train, config.get("data"))
         start, state = _restore(ckpt, state, train_iter, workdir)
         if is_main:
@@ -158,12 +167,17 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             # pmap's per-device step is not counted: no MFU there.
             utilization=performance.Utilization(dp.mesh.devices.flat, config),
             profile=profile,
+            progress=progress,
         )
         stack.callback(profile.stop)
         stop = stack.enter_context(preemption.StopRequest())
         # An asynchronous checkpoint write that failed may surface in any later Orbax call, not
         # only in the Checkpointer's own (TensorStore's ValueError, its errno in the message).
-        with checkpoint_integrity.disk_full_as_write_error(str(ckpt.manager.directory)):
+        # Published at once: the closing may wait for the others.
+        with (
+            _published(),
+            checkpoint_integrity.disk_full_as_write_error(str(ckpt.manager.directory)),
+        ):
             state, result = _train(
                 run, state, start, batches, _StepKeys(train_rng, config.log_every), stop
             )
@@ -171,6 +185,19 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     if is_main:
         report.plot_curves(workdir)
     return result
+
+
+@contextlib.contextmanager
+def _published():
+    """A failure (not a preemption) inside the block is published to the other processes, whose
+    watchdogs then stop them with its line; the error goes on."""
+    try:
+        yield
+    except preemption.Preempted:
+        raise
+    except Exception as error:
+        watchdog.publish_failure(error)
+        raise
 
 
 def make_data_parallel(config, task, devices=None) -> parallel.DataParallel:
@@ -262,6 +289,7 @@ class _Run:
     bar: tqdm.tqdm
     utilization: performance.Utilization
     profile: performance.ProfileWindow
+    progress: watchdog.Watchdog
 
 
 class _Throughput:
@@ -300,6 +328,7 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
     pending = []  # metrics of the steps since the last log, still on the device
     throughput = _Throughput(start, num_steps)
     for step in range(start + 1, num_steps + 1):
+        run.progress.enter("step", step)
         batch, data_state = next(batches)
         run.profile.before(step)
         if step == start + 1:
@@ -320,10 +349,12 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
             result.update(_log_train(run, step, pending, throughput))
             pending = []
         if step % config.eval_every == 0 or last:
+            run.progress.enter("evaluation", step)
             _check_pending_finite(run, step, pending)
             result.update(_evaluate_and_keep_best(run, state, step))
         preempted = stop.requested(step)
         if step % config.checkpoint_every == 0 or last or preempted:
+            run.progress.enter("save", step)
             _check_pending_finite(run, step, pending)
             run.ckpt.save(step, run.dp.checkpointable(state), data_state)
         result["step"] = step
@@ -356,6 +387,7 @@ def _log_train(run: _Run, step: int, pending: list, throughput: _Throughput) -> 
     scalars = {f"train/{k}": v for k, v in logged.items()}
     if throughput.steps:
         scalars["steps_per_sec"] = throughput.steps / throughput.seconds
+        run.progress.measured(throughput.seconds / throughput.steps)
         scalars.update(run.utilization.scalars(scalars["steps_per_sec"]))
     if run.watch.mode == "skip":
         scalars["train/skipped_steps"] = run.watch.skipped
@@ -399,6 +431,7 @@ def _finish(run: _Run, state, start: int, result: dict) -> None:
     what the task's ``finalize`` returns; a run that trained also logs the latter's numbers
     (FIDs computed once, at the end) at its last step."""
     last = run.config.num_train_steps
+    run.progress.enter("finish", last)
     if start >= last:
         result.update(_evaluate(run, state, start))
     if hasattr(run.task, "finalize"):

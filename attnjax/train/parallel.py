@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attnjax.ops.platform import cpu_cores
-from attnjax.train import sharding
+from attnjax.train import sharding, watchdog
 
 MODES = ("jit", "pmap")
 AXIS = "data"
@@ -41,6 +41,13 @@ AXIS = "data"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+# JAX's default: a process whose heartbeats stop this long is declared dead, and the others are
+# ended with it. Above the watchdog's floor, so that a stalled peer is reported by the watchdog.
+HEARTBEAT_TIMEOUT_SECONDS = 300
+CPU_COLLECTIVE_TIMEOUT_FLAGS = (
+    "--xla_cpu_collective_timeout_seconds",
+    "--xla_cpu_collective_call_terminate_timeout_seconds",
+)
 
 
 def _int_from_env(name: str) -> int | None:
@@ -61,6 +68,11 @@ def maybe_initialize_distributed(config=None) -> None:
     sets), or by ``config.distributed=True`` on clusters JAX detects itself (SLURM, TPU pods,
     Open MPI), where ``jax.distributed.initialize()`` finds all three on its own. CPU devices
     exchange data through gloo (the CPU client has no collectives across processes otherwise).
+
+    ``config.heartbeat_timeout_seconds`` (default ``HEARTBEAT_TIMEOUT_SECONDS``) goes to
+    ``jax.distributed.initialize``. gloo's own collective timeouts, which abort the process, are
+    raised above the watchdog's bounds (``attnjax.train.watchdog``) unless ``$XLA_FLAGS`` sets
+    them: the watchdog, which serves every platform, then reports a stalled peer first.
     """
     wanted = (config is not None and config.get("distributed", False)) or os.environ.get(
         ENV_COORDINATOR
@@ -82,11 +94,21 @@ def maybe_initialize_distributed(config=None) -> None:
         raise ValueError(
             f"${ENV_PROCESS_ID}={process_id} is outside [0, ${ENV_NUM_PROCESSES}={num_processes})."
         )
+    config = {} if config is None else config
+    heartbeat = config.get("heartbeat_timeout_seconds", HEARTBEAT_TIMEOUT_SECONDS)
+    if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 1:
+        raise ValueError(
+            f"config.heartbeat_timeout_seconds={heartbeat!r} must be a positive integer."
+        )
+    os.environ["XLA_FLAGS"] = with_collective_timeouts(
+        os.environ.get("XLA_FLAGS", ""), int(watchdog.longest_bound(config)) + 60
+    )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=os.environ.get(ENV_COORDINATOR) or None,
         num_processes=num_processes,
         process_id=process_id,
+        heartbeat_timeout_seconds=heartbeat,
     )
     logging.info(
         "jax.distributed: process %d of %d, %d global devices",
@@ -94,6 +116,13 @@ def maybe_initialize_distributed(config=None) -> None:
         jax.process_count(),
         jax.device_count(),
     )
+
+
+def with_collective_timeouts(xla_flags: str, seconds: int) -> str:
+    """``xla_flags`` with XLA:CPU's collective timeouts set to ``seconds`` where it sets none."""
+    given = {flag.split("=")[0] for flag in xla_flags.split()}
+    added = [f"{flag}={seconds}" for flag in CPU_COLLECTIVE_TIMEOUT_FLAGS if flag not in given]
+    return " ".join([*xla_flags.split(), *added])
 
 
 def _accelerator_expected() -> bool:

@@ -1,5 +1,6 @@
 """attnjax/checkpoint.py: Orbax save/restore, best-by-metric, load() for downstream users."""
 
+import json
 import os
 from typing import Any
 
@@ -134,3 +135,48 @@ def test_latest_step_ignores_unfinished_and_missing(tmp_path):
     os.makedirs(os.path.join(workdir, "checkpoints", "9.orbax-checkpoint-tmp-123"))
     assert checkpoint.latest_step(workdir) == 4
     assert checkpoint.latest_step(workdir, best=True) is None
+
+
+def test_a_checkpoint_of_other_process_counts_resumes_from_its_global_position(tmp_path):
+    """Two processes' iterator states (written here as grain writes them) stand for one global
+    position, which a run on one process resumes from; per-worker states, which are no
+    position, are refused in one line naming what was saved and what was asked, and the
+    checkpoint is kept where it is (it is intact); a missing process's file is damage."""
+    workdir = str(tmp_path)
+    ckpt = checkpoint.Checkpointer(workdir, make_config())
+    ckpt.save(5, make_state(5), {"next_index": 7})
+    ckpt.close()
+    data_dir = os.path.join(workdir, "checkpoints", "5", "data")
+
+    def write_states(*states):
+        for name in os.listdir(data_dir):
+            os.remove(os.path.join(data_dir, name))
+        for index, state in enumerate(states):
+            with open(os.path.join(data_dir, f"process_{index}-of-{len(states)}.json"), "w") as f:
+                json.dump(state, f)
+
+    write_states({"next_index": 7}, {"next_index": 7})
+    ckpt = checkpoint.Checkpointer(workdir, make_config())
+    iterator = data.make_iterator(grain.MapDataset.range(100))
+    step, restored = ckpt.restore_intact(make_state(0), iterator)
+    assert step == 5 and next(iterator) == 7
+    assert_trees_equal(restored, make_state(5))
+
+    workers = {"workers_state": {"0": {"next_index": 3}}, "last_worker_index": 0}
+    write_states(workers, workers)
+    with pytest.raises(
+        checkpoint.checkpoint_integrity.CheckpointLayoutError,
+        match=rf"^checkpoint 5 in {workdir}/checkpoints is intact but was saved by 2 "
+        r"process\(es\) with per-worker iterator states \(config.data.worker_count > 0\); this "
+        r"run has 1 process\(es\) with plain iterators, which take only the states of as many "
+        r"processes: rerun on 2 process\(es\), or with --config.data.worker_count=0 where",
+    ):
+        ckpt.restore_intact(make_state(0), data.make_iterator(grain.MapDataset.range(100)))
+    assert ckpt.manager.all_steps() == [5]
+
+    write_states({"next_index": 7}, {"next_index": 7})
+    os.remove(os.path.join(data_dir, "process_1-of-2.json"))
+    with pytest.raises(checkpoint.checkpoint_integrity.DamagedCheckpointError):
+        ckpt.restore_intact(make_state(0), data.make_iterator(grain.MapDataset.range(100)))
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "damaged-5"))
+    ckpt.close()

@@ -1,0 +1,187 @@
+"""A bound on how long a run may make no progress, so that a dead or stalled peer never hangs it.
+
+A process of a multi-process run that waits for a peer which died or stopped waits inside a
+collective (or an Orbax barrier) that no Python exception can interrupt. XLA:CPU's gloo
+collectives end such a wait after their own timeout by aborting the process; NCCL and TPU
+collectives have no such bound. The loop therefore marks the start of each phase
+(``enter("step", 17)``, ``"evaluation"``, ``"save"``, ...) and a daemon thread checks that the
+phase in progress ends within its bound. When one does not, the process prints one line naming
+the phase, the step and the seconds waited, writes every thread's Python stack (faulthandler)
+to ``<workdir>/watchdog-process_<i>.txt`` and exits with ``EXIT_CODE`` at once (``os._exit``:
+the blocked main thread would never run a cleanup; the checkpoint being written stays in
+Orbax's temporary directory, which restore never reads).
+
+Bounds (``config.watchdog``): a phase's first occurrence in a process, which compiles or sets
+up, may take ``first_seconds``; so do the steps until the step time is measured (at the second
+log after the start). Afterwards a step may take ``max(floor_seconds, factor * log_every *
+seconds per step)`` (a step that fetches the logged metrics waits for all ``log_every`` steps
+queued before it), and an evaluation or save ``max(floor_seconds, factor * the longest one
+after the first)``.
+
+A process that fails (a full disk, a non-finite loss) publishes a one-line account in the
+runtime's key-value store (``publish_failure``); the others' watchdogs read it at once and stop
+with that line (status 1) instead of waiting out their bound in a collective that the failed
+process will never join.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+import jax
+
+FAILURE_EXIT_CODE = 1
+_FAILURE_KEYS = "attnjax/failed/"
+EXIT_CODE = 124  # as coreutils' timeout: "timed out", apart from errors (1) and requeue (75)
+DEFAULTS = dict(floor_seconds=120.0, factor=20.0, first_seconds=1800.0)
+POLL_SECONDS = 0.5
+
+
+def settings(config) -> dict:
+    """``config.watchdog`` over ``DEFAULTS``; a bound that is not a positive number is refused
+    with one line naming it."""
+    given = config.get("watchdog", None) or {}
+    given = dict(given.to_dict() if hasattr(given, "to_dict") else given)
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"config.watchdog has unknown field(s) {unknown}; expected {DEFAULTS}.")
+    values = {**DEFAULTS, **given}
+    for key, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"config.watchdog.{key}={value!r} must be a positive number.")
+    return {key: float(value) for key, value in values.items()}
+
+
+def longest_bound(config) -> float:
+    """Seconds no bound of the watchdog exceeds before the step time is known: what a
+    backend's own timeout must exceed for the watchdog to speak first."""
+    bounds = settings(config)
+    return bounds["first_seconds"] + bounds["floor_seconds"]
+
+
+def stacks_path(workdir: str) -> str:
+    return os.path.join(workdir, f"watchdog-process_{jax.process_index()}.txt")
+
+
+class Watchdog:
+    """Phases of one run and the thread that bounds them; ``stop()`` ends the watch."""
+
+    def __init__(self, config, workdir: str):
+        self.bounds = settings(config)
+        self.log_every = int(config.log_every)
+        self.workdir = workdir
+        self.seconds_per_step: float | None = None
+        self._completed: set[str] = set()  # phases whose first occurrence ended
+        self._longest: dict[str, float] = {}  # by phase, their first occurrence excluded
+        self._phase: tuple[str, int, float, float] | None = None  # name, step, start, bound
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        """The previous phase ended; ``phase`` of ``step`` (default: the previous phase's step)
+        begins now."""
+        now = time.monotonic()
+        with self._lock:
+            if self._phase is not None:
+                name, previous_step, start, _ = self._phase
+                step = previous_step if step is None else step
+                if name in self._completed:
+                    self._longest[name] = max(self._longest.get(name, 0.0), now - start)
+                self._completed.add(name)
+            self._phase = (phase, 0 if step is None else step, now, self._bound(phase))
+
+    def measured(self, seconds_per_step: float) -> None:
+        """The loop's step time, measured between two logs (compilation excluded)."""
+        self.seconds_per_step = seconds_per_step
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _bound(self, phase: str) -> float:
+        floor, factor, first = (
+            self.bounds[k] for k in ("floor_seconds", "factor", "first_seconds")
+        )
+        if phase == "step":
+            if self.seconds_per_step is None:
+                return first
+            return max(floor, factor * self.log_every * self.seconds_per_step)
+        if phase not in self._completed:
+            return first
+        return max(floor, factor * self._longest.get(phase, 0.0))
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(POLL_SECONDS):
+            failed = peer_failures()
+            if failed:
+                sys.stderr.write(
+                    f"\nerror: process {jax.process_index()} of {jax.process_count()} stops "
+                    f"because {failed[0]}\n"
+                )
+                sys.stderr.flush()
+                os._exit(FAILURE_EXIT_CODE)
+            with self._lock:
+                if self._phase is None:
+                    continue
+                name, step, start, bound = self._phase
+                waited = time.monotonic() - start
+            if waited > bound:
+                self._fire(name, step, waited, bound)
+
+    def _fire(self, phase: str, step: int, waited: float, bound: float) -> None:
+        path = stacks_path(self.workdir)
+        # On a line of its own: a progress bar may have left the cursor mid-line.
+        sys.stderr.write(
+            f"\nwatchdog: process {jax.process_index()} of {jax.process_count()} made no progress "
+            f"in the {phase} of step {step} for {waited:.1f} s (bound {bound:.1f} s); stopping "
+            f"with status {EXIT_CODE}, every thread's stack in {path}\n"
+        )
+        sys.stderr.flush()
+        try:
+            with open(path, "w") as stacks:
+                faulthandler.dump_traceback(stacks, all_threads=True)
+        finally:
+            os._exit(EXIT_CODE)
+
+
+def _store():
+    """The multi-process runtime's key-value store, or None on one process."""
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed  # the store has no public API; only its client is used
+
+    return distributed.global_state.client
+
+
+def publish_failure(error: BaseException) -> None:
+    """Tells the other processes, one line, that this one failed with ``error``."""
+    store = _store()
+    if store is None:
+        return
+    lines = str(error).strip().splitlines()
+    line = (
+        f"process {jax.process_index()} failed: {type(error).__name__}: {lines[0] if lines else ''}"
+    )
+    try:
+        store.key_value_set(f"{_FAILURE_KEYS}{jax.process_index()}", line)
+    except Exception:  # already published, or the store is gone: the others' bound still holds
+        pass
+
+
+def peer_failures() -> list[str]:
+    """What the other processes published with ``publish_failure``."""
+    store = _store()
+    if store is None:
+        return []
+    try:
+        entries = store.key_value_dir_get(_FAILURE_KEYS)
+    except Exception:  # the store is unreachable: the phase's bound still holds
+        return []
+    own = f"{_FAILURE_KEYS}{jax.process_index()}"
+    return [value for key, value in sorted(entries) if key.rstrip("/") != own]
