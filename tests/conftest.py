@@ -246,3 +246,16 @@ def pytest_collection_modifyitems(config, items):
         return min((LONGEST.index(g) for g in groups if g in LONGEST), default=len(LONGEST))
 
     items.sort(key=rank)  # stable: the order within a rank is the collection's
+
+
+@pytest.fixture(scope="session")
+def digits_folder(digits_dir, tmp_path_factory):
+    """The embedded digits written as PNG files (``helpers.write_digits_folder``), once for the
+    whole session. Tests only read it."""
+    from helpers import write_digits_folder
+
+    with made_once(tmp_path_factory, "digits_png") as (path, made):
+        if not made:
+            write_digits_folder(digits_dir, path / "images")
+            (path / "made").touch()
+    return str(path / "images")

@@ -468,15 +468,16 @@ def pytorch_fid_statistics(state_dict, images, dims):
     return features.mean(axis=0), np.cov(features, rowvar=False)
 
 
-def write_digits_folder(digits_dir, root):
+def write_digits_folder(digits_dir, root, test_images=None):
     """The embedded digits as PNG files in torchvision's ImageFolder layout,
     ``root/<split>/<digit>/<index>.png`` (``index``: the digit's position in its split), for the
-    splits train and test -> ``root``."""
+    splits train and test (only its first ``test_images`` when given) -> ``root``."""
     from PIL import Image
 
     for split in ("train", "test"):
         source = data.load_source("digits", split, digits_dir)
-        for i in range(len(source)):
+        count = len(source) if split == "train" or test_images is None else test_images
+        for i in range(count):
             record = source[i]
             folder = os.path.join(root, split, str(int(record["label"])))
             os.makedirs(folder, exist_ok=True)

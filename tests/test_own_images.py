@@ -1,6 +1,6 @@
 """docs/own_images.md: its commands, as written, on the digits written as a folder of PNG files
-(tiny models, a few steps): every stage trains, samples are written and an FID printed, and the
-folder is byte for byte what it was."""
+(tiny models, 2 steps, an FID of few images): every stage trains, samples are written and an FID
+printed, and the folder is byte for byte what it was."""
 
 import os
 import re
@@ -22,14 +22,28 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning"),
 ]
 
-STEPS = ["--config.num_train_steps=4", "--config.warmup_steps=1"]
-SCHEDULE = [f"--config.{k}={v}" for k, v in TINY_RUN_SCHEDULE.items() if k != "quiet"]
-# What each command gets appended: tiny models, a few steps.
+STEPS = 2
+# Logged, evaluated and saved once, at the end.
+SCHEDULE = [
+    f"--config.{k}={v}"
+    for k, v in dict(
+        num_train_steps=STEPS,
+        warmup_steps=1,
+        log_every=STEPS,
+        eval_every=STEPS,
+        checkpoint_every=STEPS,
+    ).items()
+]
+BATCHES = [f"--config.{k}={TINY_RUN_SCHEDULE[k]}" for k in ("batch_size", "eval_batch_size")]
+# Test images written, the FID's real images: Inception at 299 x 299 on each is most of what the
+# two FID commands cost.
+TEST_IMAGES = 24
+# What each command gets appended: tiny models, 2 steps, few samples.
 TINY = {
-    "configs/vit_folder.py": [*tiny_vit_flags(), "--config.eval_every=4", *STEPS],
+    "configs/vit_folder.py": [*tiny_vit_flags(), *SCHEDULE],
     "configs/vqgan_folder.py": [
         *SCHEDULE,
-        *STEPS,
+        *BATCHES,
         "--config.model.ddconfig.ch=32",
         "--config.model.ddconfig.num_res_blocks=1",
         "--config.model.ddconfig.z_channels=8",
@@ -38,14 +52,15 @@ TINY = {
     ],
     "configs/prior_folder.py": [
         *SCHEDULE,
-        *STEPS,
+        *BATCHES,
         "--config.model.n_layer=1",
         "--config.model.n_head=2",
         "--config.model.n_embd=16",
         "--config.sampling.top_k=8",  # of the tiny VQGAN's 16 codes
+        "--config.sampling.per_class=2",
     ],
     "attnjax.fid": ["--dims=64", "--no-progress"],
-    "attnjax.inference.generate": ["--dims=64"],
+    "attnjax.inference.generate": ["--dims=64", "--number=16"],
 }
 
 
@@ -81,7 +96,7 @@ def snapshot(root):
 def test_the_pages_commands_train_every_stage_sample_and_print_an_fid(
     digits_dir, inception_weights, tmp_path, capsys, monkeypatch
 ):
-    images = write_digits_folder(digits_dir, tmp_path / "digits_png")
+    images = write_digits_folder(digits_dir, tmp_path / "digits_png", test_images=TEST_IMAGES)
     before = snapshot(tmp_path / "digits_png")
     monkeypatch.chdir(tmp_path)
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
@@ -99,7 +114,7 @@ def test_the_pages_commands_train_every_stage_sample_and_print_an_fid(
         argv = [inception_weights["npz"] if a == "inception.npz" else a for a in argv]
         if argv[0] == "train.py":
             metrics = train(argv[1:] + TINY[argv[2]])
-            assert metrics["step"] == 4
+            assert metrics["step"] == STEPS
         elif argv[1] == "attnjax.inference.generate":
             assert os.path.isfile(generate.main(argv[2:] + TINY[argv[1]]))
         elif argv[1] == "attnjax.fid":

@@ -14,6 +14,8 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from attnjax.data.transforms import resize_shorter_image
+
 # torchvision's IMG_EXTENSIONS, matched in any case (ImageNet's files end in .JPEG).
 IMAGE_EXTENSIONS = (".bmp", ".jpeg", ".jpg", ".pgm", ".png", ".ppm", ".tif", ".tiff", ".webp")
 
@@ -40,12 +42,16 @@ def _converted(image: Image.Image, channels: int) -> Image.Image:
     return image if image.mode == target else image.convert(target)
 
 
-def decode_image(file, channels: int, where: str, min_side: int = 0) -> np.ndarray:
+def decode_image(
+    file, channels: int, where: str, min_side: int = 0, shorter_side: int = 0
+) -> np.ndarray:
     """``file`` (bytes or a path) -> uint8 ``[H, W, channels]`` (1: gray, 3: RGB).
 
     ``min_side > 0`` lets a JPEG decode at the smallest DCT scale (1/2, 1/4, 1/8) that keeps both
     sides at least ``min_side``: a large photo cut down to a small crop decodes several times
-    faster. ``where`` names the file in errors.
+    faster. ``shorter_side > 0`` returns it resized as ``attnjax.data.transforms.resize_shorter``
+    would resize the array (the same pixels, without the full-size array in between).
+    ``where`` names the file in errors.
     """
     if channels not in (1, 3):
         raise ValueError(f"config.data.channels={channels!r}; expected 1 (gray) or 3 (RGB)")
@@ -62,8 +68,11 @@ def decode_image(file, channels: int, where: str, min_side: int = 0) -> np.ndarr
         with Image.open(io.BytesIO(file)) as image:
             if min_side and image.format == "JPEG":
                 image.draft(image.mode, (min_side, min_side))
-            oriented = ImageOps.exif_transpose(image)
-            pixels = np.asarray(_converted(oriented, channels))
+            ImageOps.exif_transpose(image, in_place=True)  # a copy only where it turns
+            converted = _converted(image, channels)
+            if shorter_side:
+                converted = resize_shorter_image(converted, shorter_side)
+            pixels = np.asarray(converted)
     except UnidentifiedImageError:
         raise ValueError(f"{where!r} is not an image PIL can read; expected {_FORMATS}") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:

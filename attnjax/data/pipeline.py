@@ -5,7 +5,7 @@ same path::
 
     source (tfds.data_source, or image files: attnjax.data.sources) -> grain.MapDataset
         -> seeded shuffle (re-drawn every epoch) -> repeat -> decode, resize (preprocess.prepare)
-        -> crops and flips (random_map) -> normalise -> this process's rows of each global batch
+        -> crops and flips (random_map) -> this process's rows of each global batch -> normalise
 
 A train batch is ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}``; an eval batch
 adds ``"mask"`` float32 ``[batch]`` (0.0 on the padding that completes the last batch, so every
@@ -201,6 +201,11 @@ def process_batches(
 IN_MEMORY_BYTES = 512 * 2**20
 
 
+def _fits_in_memory(source, first: dict) -> bool:
+    nbytes = sum(np.asarray(v).nbytes for v in first.values()) * len(source)
+    return nbytes <= IN_MEMORY_BYTES
+
+
 def records_in_memory(source, prepare: Callable[[dict], dict] = lambda record: record):
     """``[prepare(source[i]) for i in ...]`` if that fits ``IN_MEMORY_BYTES``, else ``source``.
 
@@ -208,10 +213,32 @@ def records_in_memory(source, prepare: Callable[[dict], dict] = lambda record: r
     Only the source changes, not the pipeline built on it: grain derives the seeds of random
     transforms from the pipeline's structure, so the stream stays the one of reading ``source``."""
     first = prepare(source[0])
-    nbytes = sum(np.asarray(v).nbytes for v in first.values()) * len(source)
-    if nbytes > IN_MEMORY_BYTES:
+    if not _fits_in_memory(source, first):
         return source
     return [first] + [prepare(source[i]) for i in range(1, len(source))]
+
+
+class KeptOnRead:
+    """``source`` with each record prepared and kept the first time it is read, where that fits
+    ``IN_MEMORY_BYTES`` (``records_in_memory``'s records, without decoding every file before the
+    first batch: image files are decoded in the first epoch, as it reads them). Reads from
+    several threads at once may prepare a record twice, never differently."""
+
+    def __init__(self, source, prepare: Callable[[dict], dict]):
+        self.source, self.prepare = source, prepare
+        first = prepare(source[0])
+        self.kept = [first] + [None] * (len(source) - 1) if _fits_in_memory(source, first) else None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index):
+        if self.kept is None:
+            return self.prepare(self.source[index])
+        record = self.kept[index]
+        if record is None:
+            record = self.kept[index] = self.prepare(self.source[index])
+        return record
 
 
 def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> Datasets:
@@ -228,10 +255,12 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     eval_example = _example_fn(data, preprocess.eval_fn(data))
 
     # Kept records are prepared once; ``example`` below then finds them prepared (and leaves
-    # them). Files are not decoded ahead on this thread when grain has threads or workers for it.
-    workers = data.get("read_threads", 0) or data.get("worker_count", 0)
-    if not (workers and sources.file_kind(data.name)):
+    # them). Files are kept as they are first read, in grain's threads when it has them; worker
+    # processes would each keep a copy.
+    if not sources.file_kind(data.name):
         train_source = records_in_memory(train_source, _prepare_fn(data, prepare))
+    elif not data.get("worker_count", 0):
+        train_source = KeptOnRead(train_source, _prepare_fn(data, prepare))
     train = grain.MapDataset.source(train_source)
     num_train = len(train)
     if num_train < config.batch_size:
@@ -242,7 +271,8 @@ def make_datasets(config, *, process_index: int = 0, process_count: int = 1) -> 
     train = train.seed(config.seed).shuffle().repeat(None).map(example)
     if augment:
         train = train.random_map(lambda ex, rng: {**ex, "image": augment(ex["image"], rng)})
-    train = process_batches(train.map(normalize), config.batch_size, process_index, process_count)
+    # Normalised by the batch: uint8 images are stacked, a quarter of float32's bytes.
+    train = process_batches(train, config.batch_size, process_index, process_count).map(normalize)
 
     evaluation = padded_eval_dataset(
         eval_source,

@@ -82,6 +82,15 @@ def draft_side(data) -> int:
     return min(_side(data, train), _side(data, evaluation))
 
 
+def source_side(data) -> int:
+    """The shorter side every transform of ``data`` first resizes an image to, so that a source
+    may decode straight to it (``decode_image``'s ``shorter_side``); 0 where some transform
+    needs the image as it is (``"resize"``, ``"inception"``)."""
+    if set(crops(data)) <= {"random", "center"}:
+        return resized_side(data)
+    return 0
+
+
 def _deterministic(data, crop: str) -> Callable[[np.ndarray], np.ndarray]:
     size = data.get("image_size", 0)
     if crop == "resize":

@@ -82,9 +82,12 @@ def split_list(directory: str, split: str) -> ImageList:
 
 class ShardSource:
     """Random access to the decoded records of one split: ``source[i]`` -> ``{"image": uint8
-    [H, W, channels], "label": int32}``, as ``attnjax.data.files.FileSource`` gives for files."""
+    [H, W, channels], "label": int32}``, as ``attnjax.data.files.FileSource`` gives for files
+    (``min_side``, ``shorter_side``: as there)."""
 
-    def __init__(self, directory: str, split: str, channels: int, min_side: int = 0):
+    def __init__(
+        self, directory: str, split: str, channels: int, min_side: int = 0, shorter_side: int = 0
+    ):
         import grain
 
         metadata = read_metadata(directory)
@@ -93,7 +96,7 @@ class ShardSource:
         self.records = grain.sources.ArrayRecordDataSource(
             [os.path.join(directory, shard) for shard in shards]
         )
-        self.channels, self.min_side = channels, min_side
+        self.channels, self.min_side, self.shorter_side = channels, min_side, shorter_side
 
     def __len__(self) -> int:
         return len(self.records)
@@ -101,5 +104,5 @@ class ShardSource:
     def __getitem__(self, index: int) -> dict:
         header, data = decode_record(self.records[int(index)])
         where = f"{self.where}[{int(index)}] ({header['name']})"
-        image = decode_image(data, self.channels, where, self.min_side)
+        image = decode_image(data, self.channels, where, self.min_side, self.shorter_side)
         return {"image": image, "label": np.int32(header["label"])}

@@ -79,10 +79,10 @@ def open_split(data, split: str):
     """A random-access source of ``{"image": uint8 [H, W, C], "label": int32}`` records."""
     images = split_lists(data)[split]
     kind, location = file_kind(data.name)
-    draft = preprocess.draft_side(data)
+    draft, side = preprocess.draft_side(data), preprocess.source_side(data)
     if kind == "shards":
-        return shards.ShardSource(location, split, channels(data), draft)
-    return FileSource(images, channels(data), draft)
+        return shards.ShardSource(location, split, channels(data), draft, side)
+    return FileSource(images, channels(data), draft, side)
 
 
 def num_classes(data) -> int:

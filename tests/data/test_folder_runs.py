@@ -12,14 +12,14 @@ import time
 import flax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_close, tiny_vit_flags, write_digits_folder, xla_flags
+from helpers import ROOT, assert_close, tiny_vit_flags, xla_flags
 
 from attnjax.train import checkpoint
 
 # Real JAX processes: one xdist worker runs them with the other multi-process tests, one at a time.
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
-STEPS = 6
+STEPS = 4
 # SGD: Adam would blow the rounding noise of gloo's reduction order up to full steps (see
 # tests/train/test_multiprocess.py).
 FLAGS = (
@@ -28,15 +28,10 @@ FLAGS = (
     *tiny_vit_flags(),
     "--config.warmup_steps=1",
     "--config.log_every=2",
-    "--config.eval_every=6",
+    "--config.eval_every=4",
     "--config.checkpoint_every=2",
     f"--config.num_train_steps={STEPS}",
 )
-
-
-@pytest.fixture(scope="module")
-def digits_folder(digits_dir, tmp_path_factory):
-    return write_digits_folder(digits_dir, tmp_path_factory.mktemp("digits_png"))
 
 
 def _command(folder, workdir, *flags):
@@ -70,40 +65,27 @@ def _steps(workdir):
     )
 
 
+def _start(command, env, log):
+    with open(log, "w") as output:
+        return subprocess.Popen(command, env=env, cwd=ROOT, stdout=output, stderr=output)
+
+
+def _finish(proc, log):
+    proc.wait(timeout=400)
+    with open(log) as output:
+        assert proc.returncode == 0, output.read()[-4000:]
+
+
 def test_folder_runs_on_two_processes_and_after_a_kill_equal_one_uninterrupted_run(
     digits_folder, tmp_path
 ):
-    one = str(tmp_path / "one")
-    done = subprocess.run(
-        [sys.executable, *_command(digits_folder, one)],
-        env=_env(4),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    # Two JAX processes at a time, as in tests/train/test_multiprocess.py: the uninterrupted run
+    # beside the one killed (decoding in grain's threads) after its first checkpoint, then beside
+    # its rerun; then 2 processes x 2 devices.
+    one, killed = str(tmp_path / "one"), str(tmp_path / "killed")
+    uninterrupted = _start(
+        [sys.executable, *_command(digits_folder, one)], _env(4), tmp_path / "one.log"
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = _params(one)
-
-    two = str(tmp_path / "two")
-    launch = [sys.executable, "-m", "attnjax.train.launch", "--processes=2"]
-    proc = subprocess.run(
-        [*launch, "--devices-per-process=2", "--", *_command(digits_folder, two)],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = _params(two)
-    assert sorted(got) == sorted(reference)
-    for key, value in reference.items():
-        scale = float(np.abs(value).max())
-        assert_close(got[key], value, rtol=1e-5, atol=max(1e-6, 1e-5 * scale), what=key)
-
-    # Decoding in grain's threads, killed after its first checkpoint, rerun.
-    killed = str(tmp_path / "killed")
     command = [sys.executable, *_command(digits_folder, killed, "--config.data.read_threads=2")]
     proc = subprocess.Popen(command, env=_env(4), cwd=ROOT, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -112,8 +94,19 @@ def test_folder_runs_on_two_processes_and_after_a_kill_equal_one_uninterrupted_r
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL and _steps(killed)[-1] < STEPS, _steps(killed)
-    rerun = subprocess.run(command, env=_env(4), cwd=ROOT, capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed = _params(killed)
+    rerun = _start(command, _env(4), tmp_path / "rerun.log")
+    _finish(uninterrupted, tmp_path / "one.log")
+    _finish(rerun, tmp_path / "rerun.log")
+    reference, resumed = _params(one), _params(killed)
     for key, value in reference.items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+    two = str(tmp_path / "two")
+    launch = [sys.executable, "-m", "attnjax.train.launch", "--processes=2"]
+    command = [*launch, "--devices-per-process=2", "--", *_command(digits_folder, two)]
+    _finish(_start(command, _env(), tmp_path / "two.log"), tmp_path / "two.log")
+    got = _params(two)
+    assert sorted(got) == sorted(reference)
+    for key, value in reference.items():
+        scale = float(np.abs(value).max())
+        assert_close(got[key], value, rtol=1e-5, atol=max(1e-6, 1e-5 * scale), what=key)

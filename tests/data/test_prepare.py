@@ -8,16 +8,10 @@ import sys
 import time
 
 import numpy as np
-import pytest
-from helpers import ROOT, load_config, write_digits_folder
+from helpers import ROOT, load_config
 
 from attnjax import data
 from attnjax.data import prepare, shards
-
-
-@pytest.fixture(scope="module")
-def digits_folder(digits_dir, tmp_path_factory):
-    return write_digits_folder(digits_dir, tmp_path_factory.mktemp("digits_png"))
 
 
 def _files(directory):
