@@ -4,9 +4,9 @@ or 64, 50-1000 tokens, causal or not), each jitted forward and gradient of
 
 * ``timing off``: ``ATTNJAX_CPU_AUTOTUNE=0``, the rule's defaults (the floor);
 * ``fresh machine``: the defaults of today, an empty choice cache (a user's first calls);
-* ``filled cache``: the same after ``python -m attnjax.ops.warm`` filled the cache for the
-  classes of the grid (warming not counted);
-* ``timing every shape``: ``ATTNJAX_CPU_AUTOTUNE=always``, every new class timed where met.
+* ``timing every shape``: ``ATTNJAX_CPU_AUTOTUNE=always``, every new class timed where met (a
+  training run's first step meets its classes so; it fills the cache);
+* ``filled cache``: the defaults again, on the cache the run before filled.
 
     python benchmarks/attention_sweep.py [--seed 0]
 
@@ -89,19 +89,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         fresh = dict(base, ATTNJAX_CPU_AUTOTUNE_CACHE=f"{directory}/fresh.json")
         filled = dict(base, ATTNJAX_CPU_AUTOTUNE_CACHE=f"{directory}/filled.json")
-        always = dict(fresh, ATTNJAX_CPU_AUTOTUNE="always")
-        always["ATTNJAX_CPU_AUTOTUNE_CACHE"] = f"{directory}/always.json"
         seconds["timing off"] = run(shapes, dict(base, ATTNJAX_CPU_AUTOTUNE="0"))
         seconds["fresh machine"] = run(shapes, fresh)
-        subprocess.run(
-            [sys.executable, "-m", "attnjax.ops.warm", "--lengths", "64,128,256,512"],
-            cwd=ROOT,
-            env=filled,
-            check=True,
-            capture_output=True,
-        )
+        seconds["timing every shape"] = run(shapes, dict(filled, ATTNJAX_CPU_AUTOTUNE="always"))
         seconds["filled cache"] = run(shapes, filled)
-        seconds["timing every shape"] = run(shapes, always)
     off = seconds["timing off"]
     machine = dict(
         processor=processor(),

@@ -48,7 +48,7 @@ def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     _, hits, saved, written = _train(tmp_path / "first", digits_dir, cache)
     assert hits == 0 and saved == 0.0 and written >= 2  # at least the init and the train step
     entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
-    assert len(entries) >= written
+    assert len(entries) >= 2  # a program compiled twice in one run is written once
 
     _, hits, saved, written = _train(tmp_path / "second", digits_dir, cache)
     assert written == 0, "the second run compiled a program the first had written"
