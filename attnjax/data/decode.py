@@ -9,6 +9,7 @@ in one line that names the file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import numpy as np
@@ -64,22 +65,14 @@ def decode_image(
             raise ValueError(
                 f"{where!r} cannot be read ({reason}); expected a readable file"
             ) from None
-    try:
-        with Image.open(io.BytesIO(file)) as image:
-            if min_side and image.format == "JPEG":
-                image.draft(image.mode, (min_side, min_side))
-            ImageOps.exif_transpose(image, in_place=True)  # a copy only where it turns
-            converted = _converted(image, channels)
-            if shorter_side:
-                converted = resize_shorter_image(converted, shorter_side)
-            pixels = np.asarray(converted)
-    except UnidentifiedImageError:
-        raise ValueError(f"{where!r} is not an image PIL can read; expected {_FORMATS}") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        reason = " ".join(str(error).split())
-        raise ValueError(
-            f"{where!r} is truncated or damaged ({reason}); expected a whole image"
-        ) from None
+    with _image_errors(where), Image.open(io.BytesIO(file)) as image:
+        if min_side and image.format == "JPEG":
+            image.draft(image.mode, (min_side, min_side))
+        ImageOps.exif_transpose(image, in_place=True)  # a copy only where it turns
+        converted = _converted(image, channels)
+        if shorter_side:
+            converted = resize_shorter_image(converted, shorter_side)
+        pixels = np.asarray(converted)
     return pixels[..., None] if pixels.ndim == 2 else pixels
 
 
@@ -99,13 +92,20 @@ def image_size(file, where: str, *, full: bool = False) -> tuple[int, int]:
 
 
 def _size(handle, full: bool, where: str) -> tuple[int, int]:
+    with _image_errors(where), Image.open(handle) as image:
+        width, height = image.size
+        if full:
+            image.load()
+        if image.getexif().get(0x0112) in _TRANSPOSED:
+            width, height = height, width
+    return width, height
+
+
+@contextlib.contextmanager
+def _image_errors(where: str):
+    """PIL's errors while reading ``where`` as the one-line ``ValueError`` naming it."""
     try:
-        with Image.open(handle) as image:
-            width, height = image.size
-            if full:
-                image.load()
-            if image.getexif().get(0x0112) in _TRANSPOSED:
-                width, height = height, width
+        yield
     except UnidentifiedImageError:
         raise ValueError(f"{where!r} is not an image PIL can read; expected {_FORMATS}") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
@@ -113,4 +113,3 @@ def _size(handle, full: bool, where: str) -> tuple[int, int]:
         raise ValueError(
             f"{where!r} is truncated or damaged ({reason}); expected a whole image"
         ) from None
-    return width, height
