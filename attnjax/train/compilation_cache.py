@@ -81,6 +81,8 @@ def summary() -> str:
     if not directory:
         return "no persistent compilation cache"
     c = counts()
+    # JAX counts a hit's saving as its original compile time less the time reading it took: on a
+    # loaded machine or a slow disk that is below zero, and the line says so as it is.
     return (
         f"{c['hits']} programs from the compilation cache at {directory} "
         f"({c['saved_seconds']:.1f} s of compiling saved), {c['misses']} compiled and "

@@ -15,7 +15,7 @@ from attnjax.train import compilation_cache
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIRST_STEP = re.compile(
     r"first step done ([\d.]+) s after the process started: (\d+) programs from the compilation "
-    r"cache at (\S+) \(([\d.]+) s of compiling saved\), (\d+) compiled and written to it"
+    r"cache at (\S+) \((-?[\d.]+) s of compiling saved\), (\d+) compiled and written to it"
 )
 
 
@@ -52,7 +52,9 @@ def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
 
     _, hits, saved, written = _train(tmp_path / "second", digits_dir, cache)
     assert written == 0, "the second run compiled a program the first had written"
-    assert hits >= 2 and saved > 0.0
+    # What the hits saved is not asserted: JAX subtracts the time reading took, which a loaded
+    # machine can make larger than the compile time.
+    assert hits >= 2
 
 
 def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch):
