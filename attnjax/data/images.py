@@ -74,6 +74,58 @@ def save_image_grid(images, path, nrow: int, scale: int = 1) -> str:
     return save_png(image_grid(images, nrow), path, scale)
 
 
+def save_labelled_grid(
+    images,
+    labels: Sequence[str],
+    path,
+    *,
+    nrow: int = 8,
+    title: str = "",
+    alarms: Sequence[bool] | None = None,
+    cell: int = 64,
+) -> str:
+    """Writes ``images`` ``[n, H, W, C]`` (floats in [0, 1]) as a PNG grid of ``nrow`` per row,
+    each enlarged (nearest neighbour) to about ``cell`` pixels and with its label above it, red
+    where ``alarms[i]``; ``title`` on a line above the grid. Returns ``path``.
+
+    Drawn with PIL alone: a matplotlib figure of one axes per image took 2 s for 32 images, as
+    long as an evaluation of the digits ViT.
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = np.clip(_check_images(images, "save_labelled_grid"), 0.0, 1.0)
+    n, height, width, _ = images.shape
+    if len(labels) != n or (alarms is not None and len(alarms) != n):
+        raise ValueError(
+            f"save_labelled_grid: {n} images need {n} labels and alarms, got {len(labels)} "
+            f"and {None if alarms is None else len(alarms)} (for {path})"
+        )
+    scale = max(1, round(cell / max(height, width)))
+    font = ImageFont.load_default(size=11)
+    line = 14  # pixels of one text line at that size
+    pad = 4
+    cols = max(1, min(nrow, n))
+    rows = max(1, -(-n // cols))
+    cell_w = max(width * scale, 40) + pad
+    cell_h = height * scale + line + pad
+    top = line + pad if title else 0
+    canvas = Image.new("RGB", (cols * cell_w + pad, top + rows * cell_h + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    if title:
+        draw.text((pad, pad // 2), title, fill="black", font=font)
+    pixels = np.round(images * 255.0).astype(np.uint8).repeat(scale, 1).repeat(scale, 2)
+    if pixels.shape[-1] == 1:
+        pixels = pixels.repeat(3, -1)
+    for i in range(n):
+        x = pad + (i % cols) * cell_w
+        y = top + pad + (i // cols) * cell_h
+        colour = "red" if alarms is not None and alarms[i] else "black"
+        draw.text((x, y), str(labels[i]), fill=colour, font=font)
+        canvas.paste(Image.fromarray(pixels[i]), (x, y + line))
+    canvas.save(path)
+    return str(path)
+
+
 def _pyplot():
     import matplotlib
 

@@ -23,6 +23,7 @@ import optax
 from absl import logging
 
 from attnjax import data
+from attnjax.data.images import save_labelled_grid
 from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
 from attnjax.ops import positional
@@ -227,38 +228,20 @@ def _predict_fn(model):
 
 
 def write_images(state: TrainState, batch, *, config, model, workdir, step):
-    """``eval_images.png``: the first eval images titled ``pred/true`` (red when wrong)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``eval_images.png``: the first eval images labelled ``predicted/true`` (red when wrong)."""
     params = state.params if state.ema_params is None else state.ema_params
     n = min(32, int(np.sum(batch["mask"])))
     predictions = np.asarray(
         jnp.argmax(_predict_fn(model)({"params": params}, batch["image"]), -1)
     )[:n]
-    images = np.asarray(batch["image"][:n])
     labels = np.asarray(batch["label"][:n])
-    shown = data.denormalize(images, config.data)
-    cols = 8
-    rows = max(1, -(-n // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.2, rows * 1.35))
-    for i, ax in enumerate(np.ravel(axes)):
-        ax.axis("off")
-        if i >= n:
-            continue
-        image = np.clip(shown[i], 0.0, 1.0)
-        ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray")
-        ax.set_title(
-            f"{predictions[i]}/{labels[i]}",
-            fontsize=8,
-            color="black" if predictions[i] == labels[i] else "red",
-        )
-    fig.suptitle(f"predicted/true, step {step}", fontsize=9)
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.88, hspace=0.35)
-    fig.savefig(os.path.join(workdir, "eval_images.png"), dpi=100)
-    plt.close(fig)
+    save_labelled_grid(
+        data.denormalize(np.asarray(batch["image"][:n]), config.data),
+        [f"{p}/{t}" for p, t in zip(predictions, labels)],
+        os.path.join(workdir, "eval_images.png"),
+        title=f"predicted/true, step {step}",
+        alarms=predictions != labels,
+    )
 
 
 def finalize(state: TrainState, metrics, *, config, model, workdir):

@@ -106,3 +106,43 @@ def test_plot_curves_draws_one_panel_per_metric_and_one_line_per_split(tmp_path)
     assert _count_near(lr, blue, 10) > 50 and _count_near(lr, orange, 10) == 0
     assert images.plot_curves([{"step": 1, "epoch": 3}], tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def _find(canvas, block):
+    """The (row, column) of each place where ``block`` appears in ``canvas``."""
+    rows, cols = np.nonzero(np.all(canvas == block[0, 0], axis=-1))
+    h, w = block.shape[:2]
+    return [
+        (r, c) for r, c in zip(rows, cols) if np.array_equal(canvas[r : r + h, c : c + w], block)
+    ]
+
+
+def test_labelled_grid_shows_every_image_enlarged_under_its_label_red_where_alarmed(tmp_path):
+    rng = np.random.default_rng(2)
+    pictures = rng.integers(0, 256, (11, 8, 8, 1)).astype(np.float32) / 255.0
+    alarms = [i % 3 == 0 for i in range(11)]
+    path = images.save_labelled_grid(
+        pictures,
+        [f"{i}/{i % 4}" for i in range(11)],
+        tmp_path / "g.png",
+        nrow=4,
+        title="predicted/true",
+        alarms=alarms,
+        cell=64,
+    )
+    canvas = _read(path)
+    assert canvas.ndim == 3 and canvas.shape[-1] == 3
+    for picture, alarm in zip(pictures, alarms):
+        block = np.round(picture * 255).astype(np.uint8).repeat(8, 0).repeat(8, 1).repeat(3, -1)
+        ((top, left),) = _find(canvas, block)  # each image once, 8x: 64 pixels
+        label = canvas[top - 14 : top, left : left + 64].astype(int)
+        red = (label[..., 0] > 180) & (label[..., 1] < 90) & (label[..., 2] < 90)
+        dark = label.max(-1) < 100
+        assert red.any() == alarm and (red | dark).any()  # every label drawn, red when alarmed
+    assert (canvas[:14].max(-1) < 100).any()  # the title
+
+
+def test_labelled_grid_refuses_labels_that_do_not_match_the_images(tmp_path):
+    with pytest.raises(ValueError, match=r"3 images need 3 labels and alarms, got 2 and None"):
+        images.save_labelled_grid(np.zeros((3, 4, 4, 3)), ["a", "b"], tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
