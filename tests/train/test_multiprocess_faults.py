@@ -242,7 +242,7 @@ def test_stalled_killed_and_full_disk_peers_never_hang_and_the_relaunch_ends_equ
     assert line, output[-3000:]
     # The bound: the floor, or 20 x the measured step time where a loaded machine makes it more.
     bound = float(line.group(4))
-    assert bound >= FLOOR and bound < float(line.group(3)) < bound + 2
+    assert bound >= FLOOR and bound <= float(line.group(3)) < bound + 2  # printed to 0.1 s
     assert "[launch] process 0 exited with 124" in output
     # The bound, the launcher's 5 s grace before SIGKILL for the stopped one, polling.
     assert waited < bound + 10, waited
