@@ -109,6 +109,25 @@ def _read(path: pathlib.Path) -> dict:
         return {}
 
 
+# path -> ((mtime, size), table) as last read: the size too, as a write within one tick of the
+# file system's clock keeps the mtime (an entry added makes the file longer)
+_tables: dict[str, tuple[tuple[int, int], dict]] = {}
+
+
+def _table(path: pathlib.Path) -> dict:
+    """``_read(path)``, parsed again only when the file changed: a trace outside a timing window
+    asks for keys that were never timed, once per traced attention call."""
+    try:
+        status = path.stat()
+    except OSError:
+        return {}
+    stamp = (status.st_mtime_ns, status.st_size)
+    cached = _tables.get(str(path))
+    if cached is None or cached[0] != stamp:
+        cached = _tables[str(path)] = (stamp, _read(path))
+    return cached[1]
+
+
 def _write(path: pathlib.Path, name: str, entry: dict) -> None:
     """Adds one entry; another process's entries written meanwhile are kept."""
     try:
@@ -187,7 +206,7 @@ def choose(
     name = cache_key(rule, key)
     if name not in _choices:
         path = cache_path()
-        entry = _read(path).get(name)
+        entry = _table(path).get(name)
         if entry is None or entry.get("choice") not in candidates:
             if not timing_allowed():
                 return default  # not remembered: a window opened later still times it
@@ -204,3 +223,4 @@ def choose(
 def forget() -> None:
     """Drops this process's remembered choices (the disk cache is read again)."""
     _choices.clear()
+    _tables.clear()

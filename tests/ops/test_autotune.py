@@ -14,6 +14,7 @@ def cache(monkeypatch, tmp_path):
     monkeypatch.setenv(autotune.ENV_CACHE, str(path))
     monkeypatch.setattr(autotune, "_enabled", True)
     monkeypatch.setattr(autotune, "_choices", {})
+    monkeypatch.setattr(autotune, "_tables", {})
     return path
 
 
@@ -59,6 +60,23 @@ def test_outside_a_window_a_new_key_costs_nothing_until_a_window_times_it(cache,
     assert not autotune.timing_allowed()
     assert autotune.choose("rule", "new", CANDIDATES, default="a") == "b"  # read, not timed
     assert len(calls) == 1
+
+
+def test_the_table_is_parsed_again_only_when_another_process_changed_it(cache, monkeypatch):
+    monkeypatch.setattr(autotune, "time_candidates", _timed({"a": 2.0, "b": 1.0}, []))
+    with autotune.timing_window():
+        autotune.choose("rule", "timed", CANDIDATES, default="a")
+    parsed = []
+    read = autotune._read
+    monkeypatch.setattr(autotune, "_read", lambda path: parsed.append(path) or read(path))
+    for _ in range(3):  # never timed, met at every trace: one parse of the unchanged file
+        assert autotune.choose("rule", "elsewhere", CANDIDATES, default="a") == "a"
+    assert len(parsed) == 1
+    table = json.loads(cache.read_text())
+    table[autotune.cache_key("rule", "elsewhere")] = {"choice": "b", "seconds": {}}
+    cache.write_text(json.dumps(table))  # another process timed it meanwhile
+    assert autotune.choose("rule", "elsewhere", CANDIDATES, default="a") == "b"
+    assert len(parsed) == 2
 
 
 def test_always_times_every_new_key_wherever_it_is_met(cache, monkeypatch):
