@@ -26,6 +26,7 @@ from attnjax import compat
 from attnjax.compile import run as compile_only
 from attnjax.tasks import train_and_evaluate
 from attnjax.train import compilation_cache, parallel, preemption
+from attnjax.train.watchdog import one_line
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/vit_digits.py", "Training config file (configs/*.py[:arg])."
@@ -38,11 +39,6 @@ _COMPILE_ONLY = flags.DEFINE_string(
     "Compile for this target (tpu:v5e:2x4, gpu:h100:8, cpu) and report memory and FLOPs instead "
     "of training: python -m attnjax.compile.",
 )
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _exit_failed():
@@ -73,7 +69,7 @@ def main(argv):
         try:
             status = compile_only(config, _COMPILE_ONLY.value, config_name=_config_name())
         except ValueError as error:
-            print(f"train.py: error: {_one_line(error)}", file=sys.stderr)
+            print(f"train.py: error: {one_line(error)}", file=sys.stderr)
             status = 1
         sys.exit(status)
     compilation_cache.enable()
@@ -87,7 +83,7 @@ def main(argv):
         if _VERBOSE.value:
             raise
         print(
-            f"train.py: error: {_one_line(error)} (--verbose shows the traceback)", file=sys.stderr
+            f"train.py: error: {one_line(error)} (--verbose shows the traceback)", file=sys.stderr
         )
         _exit_failed()
     summary = ", ".join(

@@ -218,27 +218,18 @@ def write_table(result: dict) -> None:
         "",
         "At 0 workers both attnjax folder columns run one pipeline (no threads, no processes): "
         "their difference is the run-to-run noise of a shared machine.",
-        "",
-        "Steady state: images per second after the first batch (start-up left out):",
-        "",
-        "| workers | " + " | ".join(sides) + " | torchvision |",
-        "|---|---|---|---|---|",
     ]
-    for w in workers:
-        steady = [
-            by[(side, w)]["steady_images_per_s"] for side in (*sides, "torchvision ImageFolder")
-        ]
-        lines.append(f"| {w} | " + " | ".join(f"{r:.1f}" for r in steady) + " |")
-    lines += [
-        "",
-        "Seconds to the first batch (listing, header reads, worker start-up):",
-        "",
-        "| workers | " + " | ".join(sides) + " | torchvision |",
-        "|---|---|---|---|---|",
-    ]
-    for w in workers:
-        firsts = [by[(side, w)]["first_batch_s"] for side in (*sides, "torchvision ImageFolder")]
-        lines.append(f"| {w} | " + " | ".join(f"{f:.2f}" for f in firsts) + " |")
+    for title, key, digits in (
+        ("Steady state: images per second after the first batch (start-up left out):",
+         "steady_images_per_s", 1),
+        ("Seconds to the first batch (listing, header reads, worker start-up):",
+         "first_batch_s", 2),
+    ):  # fmt: skip
+        lines += ["", title, "", "| workers | " + " | ".join(sides) + " | torchvision |"]
+        lines.append("|---|---|---|---|---|")
+        for w in workers:
+            values = [by[(side, w)][key] for side in (*sides, "torchvision ImageFolder")]
+            lines.append(f"| {w} | " + " | ".join(f"{v:.{digits}f}" for v in values) + " |")
     lines += ["", f"Conditions: {result.get('conditions', '')}"]
     with open(os.path.join(RESULTS, "input_pipeline.md"), "w") as file:
         file.write("\n".join(lines) + "\n")

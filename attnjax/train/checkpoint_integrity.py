@@ -46,11 +46,14 @@ def _all_finite(tree) -> bool:
     """Whether every float of ``tree`` is finite. Arrays split over several processes are
     checked by one jitted reduction that every process runs (no process can read the others'
     shards), so all of them reach the same verdict."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    split = [x for x in leaves if isinstance(x, jax.Array) and not x.is_fully_addressable]
-    local = [np.asarray(x) for x in leaves if not any(x is y for y in split)]
-    if not all(np.isfinite(x).all() for x in local):
-        return False
+    split = []
+    for x in jax.tree.leaves(tree):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            continue
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            split.append(x)
+        elif not np.isfinite(np.asarray(x)).all():
+            return False
     if not split:
         return True
     whole = jax.sharding.NamedSharding(split[0].sharding.mesh, jax.sharding.PartitionSpec())

@@ -70,9 +70,10 @@ def saved_position(states: list) -> int | None:
 
 def layout_error(directory, step: int, states: list, process_count: int, current_state):
     """The one-line error for a checkpoint this run cannot resume (it is not damaged)."""
+    at = saved_position(states)
     saved = (
-        f"global position {saved_position(states)}"
-        if saved_position(states) is not None
+        f"global position {at}"
+        if at is not None
         else "per-worker iterator states (config.data.worker_count > 0)"
     )
     current = (

@@ -159,15 +159,19 @@ def _store():
     return distributed.global_state.client
 
 
+def one_line(error: BaseException) -> str:
+    """``"<type>: <first line of the message>"``: how train.py and the other processes are told
+    of a failure."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def publish_failure(error: BaseException) -> None:
     """Tells the other processes, one line, that this one failed with ``error``."""
     store = _store()
     if store is None:
         return
-    lines = str(error).strip().splitlines()
-    line = (
-        f"process {jax.process_index()} failed: {type(error).__name__}: {lines[0] if lines else ''}"
-    )
+    line = f"process {jax.process_index()} failed: {one_line(error)}"
     try:
         store.key_value_set(f"{_FAILURE_KEYS}{jax.process_index()}", line)
     except Exception:  # already published, or the store is gone: the others' bound still holds
