@@ -23,6 +23,7 @@ A stage whose workdir already holds its final checkpoint is reused, not retraine
 interrupted stage resumes from its last checkpoint.
 
     .venv/bin/python demo.py [--workdir runs/demo] [--samples_per_class 50] [--completions 100]
+                             [--train_steps N]   (N steps per stage: a quick check, not the table)
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def run_stage(name: str, config, workdir: str, previous: dict) -> dict:
         "train_seconds": time.perf_counter() - start,
         "metrics": {**last_eval(workdir), **metrics},
     }
+
+
+def shorten(config, steps: int) -> None:
+    """``config`` trained ``steps`` steps, evaluated and saved once at the end."""
+    config.num_train_steps = steps
+    config.eval_every = config.checkpoint_every = steps
+    config.log_every = min(config.log_every, steps)
+    config.warmup_steps = min(config.warmup_steps, steps // 2)
 
 
 def vit_inputs(images, vqgan_data, vit_data):
@@ -277,7 +286,16 @@ def main(argv=None):
         default=100,
         help="held-out digits completed from the top half of their codes",
     )
+    parser.add_argument(
+        "--train_steps",
+        type=int,
+        default=None,
+        help="train every stage this many steps instead of its config's: a quick end-to-end "
+        "check whose figures mean little",
+    )
     args = parser.parse_args(argv)
+    if args.train_steps is not None and args.train_steps < 1:
+        raise ValueError(f"--train_steps must be >= 1, got {args.train_steps}")
     if args.samples_per_class < 1:
         raise ValueError(f"--samples_per_class must be >= 1, got {args.samples_per_class}")
     if args.completions < 1:
@@ -290,6 +308,9 @@ def main(argv=None):
     )
 
     stage_configs = {name: configs.load(config) for name, config in STAGES}
+    if args.train_steps is not None:
+        for config in stage_configs.values():
+            shorten(config, args.train_steps)
     parallel.use_cpu_cores(*stage_configs.values())
     workdirs = {name: os.path.join(args.workdir, name) for name, _ in STAGES}
     stage_configs["prior"].vqgan_workdir = workdirs["vqgan"]

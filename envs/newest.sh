@@ -7,6 +7,8 @@
 #   envs/newest.sh            build or reuse the root, then install, test, demo and compile there
 #   NEWEST_DIR=/elsewhere     where the root is kept (default: .newest in the checkout)
 #   DEBIAN_MIRROR=URL         the Debian mirror debootstrap uses (default: its own)
+#   NEWEST_DEMO_ARGS="..."    demo.py's arguments there (default: a few steps per stage; "" for
+#                             the full demo)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECKOUT=$PWD
@@ -52,6 +54,6 @@ exec unshare --mount --propagation private bash -c '
     exec chroot "$ROOT" env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 \
-        PIP_DEFAULT_TIMEOUT=180 CI="${CI:-}" \
+        PIP_DEFAULT_TIMEOUT=180 CI="${CI:-}" ${NEWEST_DEMO_ARGS+NEWEST_DEMO_ARGS="$NEWEST_DEMO_ARGS"} \
         bash /src/envs/newest_inside.sh
 ' newest "$ROOT"

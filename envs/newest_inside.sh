@@ -30,9 +30,13 @@ export JAX_COMPILATION_CACHE_DIR=/root/.jax_cache
 status=0
 echo "== newest: the suite (the tests that need no PyTorch: no CPU PyTorch wheel for this Python)"
 $PY -m pytest -n 2 --dist loadgroup -m "not cuda" -p no:cacheprovider tests || status=1
-echo "== newest: demo.py"
+# The demo's whole pipeline with a few steps per stage (the full demo took 401 s of CI's 40
+# minutes on a 2-core VM; its table there: NEWEST_DEMO_ARGS="" envs/newest.sh).
+DEMO_ARGS=${NEWEST_DEMO_ARGS-"--train_steps 40 --samples_per_class 5 --completions 20"}
+echo "== newest: demo.py $DEMO_ARGS"
 rm -rf /tmp/demo
-$PY demo.py --workdir /tmp/demo || status=1
+# shellcheck disable=SC2086  # the arguments split on spaces
+$PY demo.py --workdir /tmp/demo $DEMO_ARGS || status=1
 echo "== newest: python -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4"
 $PY -m attnjax.compile --config configs/vit_digits.py --target tpu:v5e:2x4 || status=1
 exit $status

@@ -43,6 +43,16 @@ def test_a_finished_stage_is_reused_not_retrained(tmp_path):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="--samples_per_class"):
         demo.main(["--samples_per_class", "0"])
+    with pytest.raises(ValueError, match="--train_steps must be >= 1, got 0"):
+        demo.main(["--train_steps", "0"])
+
+
+def test_short_stages_evaluate_and_save_at_their_last_step():
+    for _, name in demo.STAGES:
+        config = load_config(name)
+        demo.shorten(config, 7)
+        assert (config.num_train_steps, config.eval_every, config.checkpoint_every) == (7, 7, 7)
+        assert config.log_every <= 7 and config.warmup_steps == 3
 
 
 @pytest.mark.xdist_group("trained_runs")  # with the other readers of the trained runs
