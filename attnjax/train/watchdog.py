@@ -11,12 +11,15 @@ to ``<workdir>/watchdog-process_<i>.txt`` and exits with ``EXIT_CODE`` at once (
 the blocked main thread would never run a cleanup; the checkpoint being written stays in
 Orbax's temporary directory, which restore never reads).
 
-Bounds (``config.watchdog``): a phase's first occurrence in a process, which compiles or sets
-up, may take ``first_seconds``; so do the steps until the step time is measured (at the second
+Bounds (``config.watchdog``): the first occurrence in a process of a phase that compiles or
+reads a checkpoint (``SLOW_FIRST``: step, evaluation, restore, and the final wait for the last
+write) may take ``first_seconds``; so do the steps until the step time is measured (at the second
 log after the start). Afterwards a step may take ``max(floor_seconds, factor * log_every *
 seconds per step)`` (a step that fetches the logged metrics waits for all ``log_every`` steps
-queued before it), and an evaluation or save ``max(floor_seconds, factor * the longest one
-after the first)``.
+queued before it), and an evaluation ``max(floor_seconds, factor * the longest one after the
+first)``. A save compiles nothing and its write goes on in the background: every save, the first
+included, may take ``max(floor_seconds, factor * the longest earlier save)``, so that a peer
+stalled at a resumed run's first save is not waited for ``first_seconds``.
 
 A process that fails (a full disk, a non-finite loss) publishes a one-line account in the
 runtime's key-value store (``publish_failure``); the others' watchdogs read it at once and stop
@@ -38,6 +41,7 @@ FAILURE_EXIT_CODE = 1
 _FAILURE_KEYS = "attnjax/failed/"
 EXIT_CODE = 124  # as coreutils' timeout: "timed out", apart from errors (1) and requeue (75)
 DEFAULTS = dict(floor_seconds=120.0, factor=20.0, first_seconds=1800.0)
+SLOW_FIRST = frozenset({"step", "evaluation", "restore", "finish"})
 POLL_SECONDS = 0.5
 
 
@@ -91,7 +95,7 @@ class Watchdog:
             if self._phase is not None:
                 name, previous_step, start, _ = self._phase
                 step = previous_step if step is None else step
-                if name in self._completed:
+                if name in self._completed or name not in SLOW_FIRST:
                     self._longest[name] = max(self._longest.get(name, 0.0), now - start)
                 self._completed.add(name)
             self._phase = (phase, 0 if step is None else step, now, self._bound(phase))
@@ -112,7 +116,7 @@ class Watchdog:
             if self.seconds_per_step is None:
                 return first
             return max(floor, factor * self.log_every * self.seconds_per_step)
-        if phase not in self._completed:
+        if phase in SLOW_FIRST and phase not in self._completed:
             return first
         return max(floor, factor * self._longest.get(phase, 0.0))
 

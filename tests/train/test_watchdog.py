@@ -58,6 +58,36 @@ def test_a_stalled_step_ends_the_process_with_one_line_and_the_stacks(tmp_path):
     assert "in _watch" in text  # the watchdog's own thread
 
 
+# A save compiles nothing: its first occurrence gets the floor, not first_seconds, so a peer
+# stalled at a resumed run's first save is not waited for 30 minutes.
+FIRST_SAVE_STALLS = """
+import sys, time
+import ml_collections
+from attnjax.train import watchdog
+config = ml_collections.ConfigDict(dict(log_every=5, watchdog=dict(
+    floor_seconds=0.5, factor=2.0, first_seconds=60.0)))
+dog = watchdog.Watchdog(config, sys.argv[1])
+dog.enter("restore", 0)
+time.sleep(1.0)  # reading a checkpoint: within first_seconds
+dog.enter("save", 30)
+time.sleep(30)
+"""
+
+
+def test_a_stalled_first_save_gets_the_floor_not_the_compile_allowance(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", FIRST_SAVE_STALLS, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == watchdog.EXIT_CODE, proc.stderr
+    assert re.search(
+        r"made no progress in the save of step 30 for [01]\.\d s \(bound 0.5 s\)", proc.stderr
+    ), proc.stderr
+
+
 @pytest.mark.parametrize(
     "watch, message",
     [
