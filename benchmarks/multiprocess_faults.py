@@ -1,7 +1,7 @@
 """Random faults of one process of a 2-process run, again and again; then checks it lost nothing.
 
     python benchmarks/multiprocess_faults.py [--faults 10] [--steps 200] [--seed 0] \\
-        [--data_dir DIR] [-- --config.model.width=16 ...]   # extra train.py flags
+        [--data_dir DIR] [--json OUT] [-- --config.model.width=16 ...]   # extra train.py flags
 
 ``configs/vit_digits.py`` (SGD, parameters split over both processes, 2 CPU devices each) to
 ``--steps`` steps with a checkpoint every 10: first an uninterrupted run, then the same command
@@ -41,10 +41,17 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from attnjax.ops.platform import cpu_cores, processor  # noqa: E402
 from attnjax.train import checkpoint, launch  # noqa: E402
 
 KINDS = ("SIGSTOP", "kill -9 mid-step", "kill -9 mid-save", "SIGTERM", "disk full")
-FULL_DISK = ["bash", "-c", "trap '' XFSZ; ulimit -f 4; exec \"$@\"", "bash"]
+# Its output goes through a pipe: the limit would cut its log short.
+FULL_DISK = [
+    "bash",
+    "-c",
+    "set -o pipefail; trap '' XFSZ; (ulimit -f 4; exec \"$@\") 2>&1 | cat",
+    "bash",
+]
 
 
 def train_command(workdir, args) -> list[str]:
@@ -166,8 +173,10 @@ def expected(row) -> bool:
         return statuses == [75, 75]
     if row["kind"] == "disk full":
         return statuses == [1, 1] and row["saved"] == row["from"]
-    # stalled or killed: the survivor stopped by itself, by an error or its watchdog
-    return survivor in (1, 124)
+    # Stalled or killed: the survivor stopped by itself, by an error or its watchdog. A killed
+    # process 0 takes JAX's coordination service with it, and the survivor's client aborts at once.
+    aborted = (-signal.SIGABRT,) if row["kind"].startswith("kill") and target == 0 else ()
+    return survivor in (1, 124, *aborted)
 
 
 def final_params(workdir: str) -> dict:
@@ -182,6 +191,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data_dir", default="", help="TFDS data dir (default: TFDS's)")
     parser.add_argument("--workdir", default="", help="parent of both runs (default: a tmp dir)")
+    parser.add_argument("--json", help="write the rows and the final comparison here too")
     parser.add_argument("train_flags", nargs="*", help="more train.py flags (after --)")
     args = parser.parse_args()
     base = args.workdir or tempfile.mkdtemp(prefix="attnjax_multiprocess_faults_")
@@ -229,6 +239,21 @@ def main() -> int:
     )
     print(f"total {time.perf_counter() - began:.0f}s, workdirs under {base}")
     ok = all(map(expected, rows)) and final == [0, 0] and same_keys and worst <= 1e-5
+    if args.json:
+        summary = {
+            "faults": rows,
+            "every_fault_as_expected": all(map(expected, rows)),
+            "final_exits": final,
+            "final_step": saved(faulted),
+            "bit_identical": identical,
+            "largest_relative_difference": worst,
+            "seconds": time.perf_counter() - began,
+            "train_flags": args.train_flags,
+            "floor_seconds": args.floor,
+            "processor": f"{processor()} ({cpu_cores()} cores)",
+        }
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
     return 0 if ok else 1
 
 

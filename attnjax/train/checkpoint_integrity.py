@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging as std_logging
 import os
 import re
 from typing import Any, Callable
@@ -146,10 +147,51 @@ def disk_full_as_write_error(directory: str):
         code = disk_full_errno(error)
         if code is None:
             raise
-        who = f"process {jax.process_index()} " if jax.process_count() > 1 else ""
-        raise CheckpointWriteError(
-            code,
-            f"{who}could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
-            f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
-            f"(or raise the file size limit) and rerun the same command",
-        ) from error
+        raise write_error(code, directory) from error
+
+
+def write_error(code: int, directory: str) -> CheckpointWriteError:
+    """The one-line error for a disk-full ``code`` while writing into ``directory``."""
+    who = f"process {jax.process_index()} " if jax.process_count() > 1 else ""
+    return CheckpointWriteError(
+        code,
+        f"{who}could not write a checkpoint to {directory}: {os.strerror(code)} (errno "
+        f"{errno.errorcode[code]}); the checkpoints written before are intact; free space "
+        f"(or raise the file size limit) and rerun the same command",
+    )
+
+
+class _BackgroundWriteFailures(std_logging.Handler):
+    """Hands a disk-full error that a background thread logged (with its exception) to
+    ``on_failure`` as a ``CheckpointWriteError`` naming the one of ``directories`` it wrote to."""
+
+    def __init__(self, directories: list[str], on_failure: Callable[[BaseException], None]):
+        super().__init__(level=std_logging.ERROR)
+        self.directories, self.on_failure = directories, on_failure
+
+    def emit(self, record: std_logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        code = None if error is None else disk_full_errno(error)
+        if code is None:
+            return
+        text = f"{record.getMessage()} {error}"
+        # The longest match: "checkpoints_best" also contains "checkpoints".
+        named = [d for d in self.directories if d in text]
+        self.on_failure(write_error(code, max(named or self.directories[:1], key=len)))
+
+
+@contextlib.contextmanager
+def background_write_failures(directories: list[str], on_failure):
+    """Within the block, a disk-full failure of an asynchronous checkpoint write is handed to
+    ``on_failure`` as soon as Orbax's writer thread logs it.
+
+    With several processes the main thread would not learn of it: its next call into Orbax
+    waits for the failed write's end-of-save barrier, which the other processes (waiting for
+    this one's part) never pass."""
+    handler = _BackgroundWriteFailures(directories, on_failure)
+    logger = std_logging.getLogger("absl")  # absl logging, which Orbax writes through
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)

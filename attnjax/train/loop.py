@@ -138,6 +138,13 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         stack.enter_context(_published())  # a failure while closing, too
         progress.enter("restore", 0)
         ckpt = checkpoint.Checkpointer(workdir, config)
+        if jax.process_count() > 1:  # one process learns of a failed write at its next save
+            managers = (m for m in (ckpt.manager, ckpt.best_manager) if m is not None)
+            stack.enter_context(
+                checkpoint_integrity.background_write_failures(
+                    [str(m.directory) for m in managers], progress.fail
+                )
+            )
         stack.callback(ckpt.close)  # waits for pending writes
         stack.callback(progress.enter, "save")  # the wait for the pending writes
         train_iter = data.make_iterator(datasets.train, config.get("data"))

@@ -43,6 +43,7 @@ EXIT_CODE = 124  # as coreutils' timeout: "timed out", apart from errors (1) and
 DEFAULTS = dict(floor_seconds=120.0, factor=20.0, first_seconds=1800.0)
 SLOW_FIRST = frozenset({"step", "evaluation", "restore", "finish"})
 POLL_SECONDS = 0.5
+PUBLISH_SECONDS = 5.0
 
 
 def settings(config) -> dict:
@@ -84,8 +85,13 @@ class Watchdog:
         self._phase: tuple[str, int, float, float] | None = None  # name, step, start, bound
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._failed: list[str] = []
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._thread.start()
+        # The store lives in process 0: while that process is stopped, a read of it never
+        # returns. Reading in a thread of its own keeps the bounds checked meanwhile.
+        self._listener = threading.Thread(target=self._listen, name="watchdog-peers", daemon=True)
+        self._listener.start()
 
     def enter(self, phase: str, step: int | None = None) -> None:
         """The previous phase ended; ``phase`` of ``step`` (default: the previous phase's step)
@@ -104,9 +110,22 @@ class Watchdog:
         """The loop's step time, measured between two logs (compilation excluded)."""
         self.seconds_per_step = seconds_per_step
 
+    def fail(self, error: BaseException) -> None:
+        """A failure learnt outside the main thread (an asynchronous write), which may be
+        waiting at a barrier the others never reach: tells the others, prints one line and
+        exits with ``FAILURE_EXIT_CODE`` at once."""
+        publish_failure(error)
+        sys.stderr.write(
+            f"\nerror: process {jax.process_index()} of {jax.process_count()} failed: "
+            f"{one_line(error)}\n"
+        )
+        sys.stderr.flush()
+        os._exit(FAILURE_EXIT_CODE)
+
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join()
+        self._listener.join(timeout=2 * POLL_SECONDS)  # may be inside a read that never returns
 
     def _bound(self, phase: str) -> float:
         floor, factor, first = (
@@ -120,9 +139,13 @@ class Watchdog:
             return first
         return max(floor, factor * self._longest.get(phase, 0.0))
 
+    def _listen(self) -> None:
+        while not self._failed and not self._stopped.wait(POLL_SECONDS):
+            self._failed = peer_failures()
+
     def _watch(self) -> None:
         while not self._stopped.wait(POLL_SECONDS):
-            failed = peer_failures()
+            failed = self._failed
             if failed:
                 sys.stderr.write(
                     f"\nerror: process {jax.process_index()} of {jax.process_count()} stops "
@@ -176,10 +199,18 @@ def publish_failure(error: BaseException) -> None:
     if store is None:
         return
     line = f"process {jax.process_index()} failed: {one_line(error)}"
-    try:
-        store.key_value_set(f"{_FAILURE_KEYS}{jax.process_index()}", line)
-    except Exception:  # already published, or the store is gone: the others' bound still holds
-        pass
+
+    def publish():
+        try:
+            store.key_value_set(f"{_FAILURE_KEYS}{jax.process_index()}", line)
+        except Exception:  # already published, or the store is gone: the others' bound holds
+            pass
+
+    # A stopped process 0 holds the store: the write would never return, and the error it
+    # reports must still reach this process's own output.
+    writer = threading.Thread(target=publish, name="watchdog-publish", daemon=True)
+    writer.start()
+    writer.join(timeout=PUBLISH_SECONDS)
 
 
 def peer_failures() -> list[str]:

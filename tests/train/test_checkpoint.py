@@ -180,3 +180,34 @@ def test_a_checkpoint_of_other_process_counts_resumes_from_its_global_position(t
         ckpt.restore_intact(make_state(0), data.make_iterator(grain.MapDataset.range(100)))
     assert os.path.isdir(os.path.join(workdir, "checkpoints", "damaged-5"))
     ckpt.close()
+
+
+def test_a_logged_background_disk_full_error_is_handed_on_naming_its_directory():
+    """What Orbax's writer thread logs (``logging.error(..., exc_info=True)`` inside its
+    ``except``): a disk-full error reaches the callback, naming the directory written to."""
+    import errno
+
+    from absl import logging
+
+    from attnjax.train import checkpoint_integrity
+
+    got = []
+    directories = ["/runs/a/checkpoints", "/runs/a/checkpoints_best"]
+    with checkpoint_integrity.background_write_failures(directories, got.append):
+        for error in (
+            OSError(errno.EFBIG, "File too large"),
+            ValueError("Failed writing /runs/a/checkpoints_best/3.tmp [os_error_code='28']"),
+            ValueError("unrelated"),
+        ):
+            try:
+                raise error
+            except ValueError:
+                logging.error("Failed in background save thread", exc_info=True)
+            except OSError:
+                logging.error("directory: /runs/a/checkpoints/3", exc_info=True)
+        logging.error("no exception attached: ignored")
+    logging.error("after the block", exc_info=OSError(errno.ENOSPC, "full"))
+    assert [type(e) for e in got] == [checkpoint_integrity.CheckpointWriteError] * 2
+    assert [e.errno for e in got] == [errno.EFBIG, errno.ENOSPC]
+    assert "could not write a checkpoint to /runs/a/checkpoints: File too large" in str(got[0])
+    assert "to /runs/a/checkpoints_best: No space left on device (errno ENOSPC)" in str(got[1])
