@@ -15,7 +15,6 @@ adds the traceback); 75 (``EX_TEMPFAIL``) stopped by SIGTERM/SIGINT after saving
 step: requeue, rerunning the same command continues (``attnjax/preemption.py``).
 """
 
-import os
 import sys
 
 import jax
@@ -25,7 +24,7 @@ from ml_collections import config_flags
 from attnjax import compat
 from attnjax.compile import run as compile_only
 from attnjax.tasks import train_and_evaluate
-from attnjax.train import compilation_cache, parallel, preemption
+from attnjax.train import compilation_cache, parallel, preemption, watchdog
 from attnjax.train.watchdog import one_line
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -46,9 +45,7 @@ def _exit_failed():
     for every process, where a dead or failed peer would hold it ``shutdown_timeout_seconds``
     (300 s). The run has closed what it held already (checkpoint writes, the lock)."""
     if jax.distributed.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        watchdog.exit_failed()
     sys.exit(1)
 
 

@@ -44,6 +44,7 @@ DEFAULTS = dict(floor_seconds=120.0, factor=20.0, first_seconds=1800.0)
 SLOW_FIRST = frozenset({"step", "evaluation", "restore", "finish"})
 POLL_SECONDS = 0.5
 PUBLISH_SECONDS = 5.0
+LINGER_SECONDS = 4 * POLL_SECONDS
 
 
 def settings(config) -> dict:
@@ -114,13 +115,13 @@ class Watchdog:
         """A failure learnt outside the main thread (an asynchronous write), which may be
         waiting at a barrier the others never reach: tells the others, prints one line and
         exits with ``FAILURE_EXIT_CODE`` at once."""
-        publish_failure(error)
         sys.stderr.write(
             f"\nerror: process {jax.process_index()} of {jax.process_count()} failed: "
             f"{one_line(error)}\n"
         )
-        sys.stderr.flush()
-        os._exit(FAILURE_EXIT_CODE)
+        sys.stderr.flush()  # before the others learn of it: process 0's end may abort this one
+        publish_failure(error)
+        exit_failed()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -151,8 +152,7 @@ class Watchdog:
                     f"\nerror: process {jax.process_index()} of {jax.process_count()} stops "
                     f"because {failed[0]}\n"
                 )
-                sys.stderr.flush()
-                os._exit(FAILURE_EXIT_CODE)
+                exit_failed()
             with self._lock:
                 if self._phase is None:
                     continue
@@ -175,6 +175,18 @@ class Watchdog:
                 faulthandler.dump_traceback(stacks, all_threads=True)
         finally:
             os._exit(EXIT_CODE)
+
+
+def exit_failed() -> None:
+    """Ends a process of several with ``FAILURE_EXIT_CODE`` at once: JAX's shutdown would wait
+    at a barrier for peers that may be gone. Process 0 holds the coordination service, whose end
+    makes the others' clients abort them (SIGABRT): it stays ``LINGER_SECONDS`` first, so that
+    their watchdogs read its published failure and stop with its line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if jax.process_index() == 0:
+        time.sleep(LINGER_SECONDS)
+    os._exit(FAILURE_EXIT_CODE)
 
 
 def _store():
