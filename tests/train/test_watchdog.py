@@ -13,31 +13,44 @@ from helpers import ROOT
 
 from attnjax.train import watchdog
 
-# A step of 10 ms logged every 5 steps: after it is measured a step may take
-# max(floor 0.5, factor 2 x 5 x 0.01) = 0.5 s; before, first_seconds 1.5.
+# A process whose watchdog (floor 0.5 s, factor 2, log_every 5) sees ``before`` take 1 s, then
+# ``stalled`` never end.
 STALLS = """
 import sys, time
 import ml_collections
 from attnjax.train import watchdog
 config = ml_collections.ConfigDict(dict(log_every=5, watchdog=dict(
-    floor_seconds=0.5, factor=2.0, first_seconds=1.5)))
+    floor_seconds=0.5, factor=2.0, first_seconds={first_seconds})))
 dog = watchdog.Watchdog(config, sys.argv[1])
-dog.enter("step", 1)
-time.sleep(1.0)  # the first step: within first_seconds
-dog.measured(0.01)
-dog.enter("step", 2)
+dog.enter({before})
+time.sleep(1.0)  # within first_seconds
+{between}
+dog.enter({stalled})
 time.sleep(30)
 """
 
 
-def test_a_stalled_step_ends_the_process_with_one_line_and_the_stacks(tmp_path):
-    started = time.monotonic()
+def run_stalled(tmp_path, **fields):
+    script = STALLS.format(**fields)
     proc = subprocess.run(
-        [sys.executable, "-c", STALLS, str(tmp_path)],
+        [sys.executable, "-c", script, str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
+    )
+    return script, proc
+
+
+def test_a_stalled_step_ends_the_process_with_one_line_and_the_stacks(tmp_path):
+    # A step of 10 ms: after it is measured a step may take max(0.5, 2 x 5 x 0.01) = 0.5 s.
+    started = time.monotonic()
+    script, proc = run_stalled(
+        tmp_path,
+        first_seconds=1.5,
+        before='"step", 1',
+        between="dog.measured(0.01)",
+        stalled='"step", 2',
     )
     elapsed = time.monotonic() - started
     assert proc.returncode == watchdog.EXIT_CODE == 124, proc.stderr
@@ -53,34 +66,16 @@ def test_a_stalled_step_ends_the_process_with_one_line_and_the_stacks(tmp_path):
     assert elapsed < 25  # not the 30 s sleep
     with open(stacks) as f:
         text = f.read()
-    sleep = STALLS.splitlines().index("time.sleep(30)") + 1
+    sleep = script.splitlines().index("time.sleep(30)") + 1
     assert f'File "<string>", line {sleep} in <module>' in text  # the main thread, asleep
     assert "in _watch" in text  # the watchdog's own thread
 
 
-# A save compiles nothing: its first occurrence gets the floor, not first_seconds, so a peer
-# stalled at a resumed run's first save is not waited for 30 minutes.
-FIRST_SAVE_STALLS = """
-import sys, time
-import ml_collections
-from attnjax.train import watchdog
-config = ml_collections.ConfigDict(dict(log_every=5, watchdog=dict(
-    floor_seconds=0.5, factor=2.0, first_seconds=60.0)))
-dog = watchdog.Watchdog(config, sys.argv[1])
-dog.enter("restore", 0)
-time.sleep(1.0)  # reading a checkpoint: within first_seconds
-dog.enter("save", 30)
-time.sleep(30)
-"""
-
-
 def test_a_stalled_first_save_gets_the_floor_not_the_compile_allowance(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", FIRST_SAVE_STALLS, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    """A save compiles nothing: its first occurrence gets the floor, not first_seconds, so a
+    peer stalled at a resumed run's first save is not waited for 30 minutes."""
+    _, proc = run_stalled(
+        tmp_path, first_seconds=60.0, before='"restore", 0', between="", stalled='"save", 30'
     )
     assert proc.returncode == watchdog.EXIT_CODE, proc.stderr
     assert re.search(
