@@ -7,7 +7,9 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/paralle
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
   * attention: up to ``CPU_TIMED_BELOW`` tokens the fused, explicit or blocked path, timed once
-    per shape on the machine, forward + backward for a differentiated call, forward only for
+    per class of shapes on the machine (``kernel_choice.cpu_shape_class``: lengths up to a power
+    of two, batch x heads up to a power of four; the row's shape is the one timed for its
+    class), forward + backward for a differentiated call, forward only for
     the others (explicit, untimed, below ``EXPLICIT_MIN_LENGTH_CPU``); then blocked, with the
     CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
@@ -267,7 +269,8 @@ def devices_rows(repeats, rounds: int = 2):
 
 
 NOTE = """`python benchmarks/cpu_rules.py` (JSON: [cpu_rules.json](cpu_rules.json)). *chosen* is the
-path attnjax takes on this machine: a fixed rule, or a choice timed once per shape
+path attnjax takes on this machine: a fixed rule, or a choice timed once per shape (convolution)
+or class of shapes (attention: lengths up to a power of two, batch x heads up to a power of four)
 (`attnjax.ops.autotune`, made afresh for this table, the default kept unless another path is 2%
 faster); *alternative* is the fastest other path. The milliseconds are a second measurement of
 the same programs, apart from the one behind a timed choice: the fastest of at least 7 calls

@@ -8,7 +8,7 @@ on disk, as cuDNN's benchmark mode and XLA's GPU autotuner do::
                   default="xla")
 
 Each candidate is a thunk that compiles its program and returns a call that blocks until done.
-A key names a class of calls (attention buckets its lengths, see ``kernel_choice.shape_class``),
+A key names a class of calls (attention buckets its lengths, see ``kernel_choice.cpu_shape_class``),
 so one timing serves every shape of the class. Timing costs seconds, so it runs only where asked
 for: inside ``timing_window()`` (the training loop opens one around its first step and first
 evaluation: the programs it will run thousands of times) and in ``python -m attnjax.ops.warm``,
