@@ -22,6 +22,11 @@ from helpers import ROOT, assert_close, tiny_vit_flags, xla_flags
 
 from attnjax.train import checkpoint, launch, preemption, watchdog
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+# Files of at most 4 KiB for the wrapped process (EFBIG, ENOSPC's per-process sibling), the
+# wrapper the random-faults benchmark uses too.
+from multiprocess_faults import FULL_DISK  # noqa: E402
+
 # Several JAX processes each: the one xdist worker of the multi-process tests runs them in turn.
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
@@ -43,16 +48,6 @@ FLAGS = (
     f"--config.watchdog.floor_seconds={FLOOR}",
     "--config.watchdog.first_seconds=120",
 )
-
-
-# Files of at most 4 KiB for the wrapped process (EFBIG, ENOSPC's per-process sibling; SIGXFSZ
-# ignored), its output passed on through a pipe, which the limit does not cover.
-FULL_DISK = [
-    "bash",
-    "-c",
-    "set -o pipefail; trap '' XFSZ; (ulimit -f 4; exec \"$@\") 2>&1 | cat",
-    "bash",
-]
 
 
 def train_command(workdir, data_dir, *extra):
