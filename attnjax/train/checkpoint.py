@@ -105,12 +105,33 @@ def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENT
         )
 
 
+# Orbax writes a replicated array as one slice per replica, each cut by its own jitted slice:
+# a program compiled per array shape and replica at the first save, which for small arrays costs
+# far more than writing them in parallel saves (the digits ViT's 60-step run on 4 CPU devices:
+# 2.2 s of its 14.6 s of CPU). Arrays whose slice would be under this size are written whole by
+# one replica, as Orbax does for any array on one device.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _write_small_arrays_whole() -> None:
+    # Orbax's default jax.Array handler but for the slice size; its array-metadata store is
+    # constructed as Orbax's registry does (the store is not exported).
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(),
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+    )
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 class Checkpointer:
     """Latest-N (+ optional best) checkpoints of one run. ``config`` fields:
     ``checkpoint_every``, ``max_to_keep``, ``best_metric`` ("" disables), ``best_mode``."""
 
     def __init__(self, workdir: str, config):
         self.workdir = workdir
+        _write_small_arrays_whole()
         self.manager = ocp.CheckpointManager(
             _checkpoint_dir(workdir),
             options=ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, create=True),
