@@ -84,11 +84,21 @@ def _nchw(x):
 
 @functools.lru_cache(maxsize=None)
 def _generator_value_and_grad():
-    """One compilation for both steps: the step is an argument, not a constant."""
-    _, _, last, inputs, features, ours = _build("hinge")
+    """One compilation for both steps: the step is an argument, not a constant. So are the
+    networks' variables: as constants, VGG16's made a 111 MB program to compile and cache."""
+    _, loss, last, inputs, features, ours = _build("hinge")
     bias = jnp.asarray(last.bias.detach().numpy())
+    disc, disc_vars = nlayer_discriminator_from_taming(loss.discriminator.state_dict())
+    perceptual, lpips_vars = lpips_from_torch(loss.perceptual_loss.state_dict())
 
-    def objective(kernel, step):
+    def objective(kernel, step, disc_vars, lpips_vars):
+        def discriminator(x):
+            return disc.apply(disc_vars, x, train=True, mutable=["batch_stats"])[0]
+
+        def perceptual_loss(a, b):
+            return perceptual.apply(lpips_vars, a, b)
+
+        networks = dict(ours, discriminator=discriminator, perceptual=perceptual_loss)
         rec = (
             jax.lax.conv_general_dilated(
                 jnp.asarray(features),
@@ -105,10 +115,11 @@ def _generator_value_and_grad():
             jnp.float32(0.37),
             step=step,
             last_layer=(jnp.asarray(features), kernel),
-            **ours,
+            **networks,
         )
 
-    return jax.jit(jax.value_and_grad(objective, has_aux=True))
+    value_and_grad = jax.jit(jax.value_and_grad(objective, has_aux=True))
+    return lambda kernel, step: value_and_grad(kernel, step, disc_vars, lpips_vars)
 
 
 @pytest.mark.parametrize("step", [DISC_START - 1, DISC_START])
