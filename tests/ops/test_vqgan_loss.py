@@ -65,9 +65,22 @@ def _build(kind):
     inputs = rng.uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
     features = rng.normal(size=(2, 16, 16, 32)).astype(np.float32)
     last = torch.nn.Conv2d(32, 3, 3, padding=1)
+    return kind, loss, last, inputs, features, _ours(*_converted(loss))
+
+
+@functools.lru_cache(maxsize=None)
+def _converted(loss):
+    """taming's discriminator and LPIPS as ours -> ``(modules, variables)``, once per loss."""
     disc, disc_vars = nlayer_discriminator_from_taming(loss.discriminator.state_dict())
     perceptual, lpips_vars = lpips_from_torch(loss.perceptual_loss.state_dict())
-    ours = dict(
+    return (disc, perceptual), (disc_vars, lpips_vars)
+
+
+def _ours(modules, variables):
+    """vqgan_loss's keyword arguments: the settings above and the converted networks applied with
+    ``variables`` (constants, or arguments of a jitted function)."""
+    (disc, perceptual), (disc_vars, lpips_vars) = modules, variables
+    return dict(
         discriminator=lambda x: disc.apply(disc_vars, x, train=True, mutable=["batch_stats"])[0],
         perceptual=lambda a, b: perceptual.apply(lpips_vars, a, b),
         perceptual_weight=1.3,
@@ -75,7 +88,6 @@ def _build(kind):
         disc_start=DISC_START,
         disc_weight=0.8,
     )
-    return kind, loss, last, inputs, features, ours
 
 
 def _nchw(x):
@@ -86,19 +98,11 @@ def _nchw(x):
 def _generator_value_and_grad():
     """One compilation for both steps: the step is an argument, not a constant. So are the
     networks' variables: as constants, VGG16's made a 111 MB program to compile and cache."""
-    _, loss, last, inputs, features, ours = _build("hinge")
+    _, loss, last, inputs, features, _ = _build("hinge")
     bias = jnp.asarray(last.bias.detach().numpy())
-    disc, disc_vars = nlayer_discriminator_from_taming(loss.discriminator.state_dict())
-    perceptual, lpips_vars = lpips_from_torch(loss.perceptual_loss.state_dict())
+    modules, variables = _converted(loss)
 
-    def objective(kernel, step, disc_vars, lpips_vars):
-        def discriminator(x):
-            return disc.apply(disc_vars, x, train=True, mutable=["batch_stats"])[0]
-
-        def perceptual_loss(a, b):
-            return perceptual.apply(lpips_vars, a, b)
-
-        networks = dict(ours, discriminator=discriminator, perceptual=perceptual_loss)
+    def objective(kernel, step, variables):
         rec = (
             jax.lax.conv_general_dilated(
                 jnp.asarray(features),
@@ -115,11 +119,11 @@ def _generator_value_and_grad():
             jnp.float32(0.37),
             step=step,
             last_layer=(jnp.asarray(features), kernel),
-            **networks,
+            **_ours(modules, variables),
         )
 
     value_and_grad = jax.jit(jax.value_and_grad(objective, has_aux=True))
-    return lambda kernel, step: value_and_grad(kernel, step, disc_vars, lpips_vars)
+    return lambda kernel, step: value_and_grad(kernel, step, variables)
 
 
 @pytest.mark.parametrize("step", [DISC_START - 1, DISC_START])
