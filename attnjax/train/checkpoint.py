@@ -21,6 +21,7 @@ by N processes resumes on any number (``attnjax.train.elastic``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging as std_logging
 import os
@@ -113,6 +114,7 @@ def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENT
 MIN_REPLICA_SLICE_BYTES = 1 << 20
 
 
+@functools.cache  # once per process: a save in flight keeps the handler it started with
 def _write_small_arrays_whole() -> None:
     # Orbax's default jax.Array handler but for the slice size; its array-metadata store is
     # constructed as Orbax's registry does (the store is not exported).
