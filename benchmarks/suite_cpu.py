@@ -19,7 +19,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import tempfile
 import time
 
 import pytest
+
+from attnjax.ops.platform import cpu_cores, processor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = "SUITE_CPU_DIR"  # where each worker writes its rows (set by main for the workers)
@@ -61,12 +62,6 @@ def pytest_sessionfinish(session):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(os.path.join(os.environ[OUT_DIR], f"{worker}.json"), "w") as f:
             json.dump(_rows, f)
-
-
-def _processor() -> str:
-    with open("/proc/cpuinfo") as info:
-        names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores"
 
 
 def _table(rows, key, limit):
@@ -134,25 +129,23 @@ def main(argv=None) -> int:
     if not rows:
         print(f"suite_cpu: no test ran (pytest exit status {status})", file=sys.stderr)
         return 1
-    workers = collections.Counter()
+    worker_cpu, worker_wall = collections.Counter(), collections.Counter()
     for row in rows:
-        workers[row["worker"]] += row["own"] + row["children"]
+        worker_cpu[row["worker"]] += row["own"] + row["children"]
+        worker_wall[row["worker"]] += row["wall"]
     own = sum(row["own"] for row in rows)
     children = sum(row["children"] for row in rows)
-    per_worker_wall = collections.Counter()
-    for row in rows:
-        per_worker_wall[row["worker"]] += row["wall"]
     result = dict(
         command="python " + " ".join(command),
-        machine=_processor(),
+        machine=f"{processor()}, {cpu_cores()} cores",
         status=status,
         tests=len(rows),
         wall_seconds=round(wall, 1),
         cpu_seconds=round(own + children, 1),
         own_seconds=round(own, 1),
         children_seconds=round(children, 1),
-        per_worker={w: round(s, 1) for w, s in workers.items()},
-        outside_tests_seconds=round(wall - max(per_worker_wall.values()), 1),
+        per_worker={w: round(s, 1) for w, s in worker_cpu.items()},
+        outside_tests_seconds=round(wall - max(worker_wall.values()), 1),
         files=_table(rows, lambda r: r["test"].split("::")[0], 40),
         slowest=_table(rows, lambda r: r["test"], 30),
         rows=rows,
