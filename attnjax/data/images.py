@@ -182,16 +182,160 @@ def plot_attention_maps(images, heatmaps, path, *, titles: Sequence[str] | None 
     return path
 
 
+# matplotlib's default line colours, in its order: a panel's splits take them from the first.
+LINE_COLOURS = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+)
+PANEL = (450, 320)  # pixels of one metric's panel: 4.5 x 3.2 inches at 100 dpi
+# The plot area inside a panel: left, top, right and bottom margins (tick labels, title, "step").
+_MARGINS = (64, 30, 14, 46)
+_SUPERSAMPLE = 2  # drawn at twice the size, then averaged down: smooth lines without antialiasing
+
+
+def _ticks(low: float, high: float, integer: bool = False, count: int = 5):
+    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart, whole numbers where
+    ``integer``) covering [low, high], the spacing nearest to ``count`` of them ->
+    (values, spacing)."""
+    raw = (high - low) / count
+    power = 10.0 ** math.floor(math.log10(raw))
+    factors = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
+    spacing = min((f * power for f in factors), key=lambda d: abs(math.log(d / raw)))
+    if integer:
+        spacing = max(1.0, round(spacing))
+    first, last = math.ceil(low / spacing - 1e-9), math.floor(high / spacing + 1e-9)
+    return [0.0 if k == 0 else k * spacing for k in range(first, last + 1)], spacing
+
+
+def _tick_label(value: float, spacing: float, largest: float) -> str:
+    """Fixed point with the decimals the spacing needs (1200, 0.0025); powers of ten outside
+    [1e-4, 1e6) (2.5e-05)."""
+    half_digit = 1 if round(spacing / 10 ** math.floor(math.log10(spacing)), 6) == 2.5 else 0
+    if 1e-4 <= largest < 1e6:
+        decimals = max(0, -math.floor(math.log10(spacing)) + half_digit)
+        return f"{value:.{decimals}f}"
+    digits = math.floor(math.log10(largest)) - math.floor(math.log10(spacing)) + half_digit
+    return f"{value:.{max(digits, 0)}e}" if value else "0"
+
+
+def _limits(values, integer: bool = False) -> tuple[float, float]:
+    """matplotlib's data limits: the range plus 5% each side; a single value gets a range
+    around it."""
+    low, high = min(values), max(values)
+    if high == low:
+        pad = 1.0 if integer or low == 0 else abs(low) * 0.05
+        return low - pad, high + pad
+    pad = 0.05 * (high - low)
+    return low - pad, high + pad
+
+
+def _segments(points: dict[int, float]) -> list[list[tuple[int, float]]]:
+    """``{step: value}`` -> the runs of finite values in step order: a NaN or infinite value
+    breaks the line, as in matplotlib."""
+    segments: list[list[tuple[int, float]]] = [[]]
+    for step in sorted(points):
+        if math.isfinite(points[step]):
+            segments[-1].append((step, points[step]))
+        elif segments[-1]:
+            segments.append([])
+    return [segment for segment in segments if segment]
+
+
+def _draw_panel(draw, fonts, origin, name: str, lines: dict[str, list[list[tuple[int, float]]]]):
+    """One metric's panel at ``origin`` (supersampled pixels): frame, grid, ticks, title, the
+    ``lines`` (split -> runs of finite (step, value) points) and their legend."""
+    s = _SUPERSAMPLE
+    left, top = origin[0] + _MARGINS[0] * s, origin[1] + _MARGINS[1] * s
+    right = origin[0] + (PANEL[0] - _MARGINS[2]) * s
+    bottom = origin[1] + (PANEL[1] - _MARGINS[3]) * s
+    small, large = fonts
+    draw.text(((left + right) / 2, origin[1] + 16 * s), name, fill="black", font=large, anchor="mm")
+    draw.text(((left + right) / 2, bottom + 34 * s), "step", fill="black", font=small, anchor="mm")
+    points = [p for segments in lines.values() for segment in segments for p in segment]
+    if points:
+        x_low, x_high = _limits([x for x, _ in points], integer=True)
+        y_low, y_high = _limits([y for _, y in points])
+    else:
+        x_low, x_high, y_low, y_high = 0.0, 1.0, 0.0, 1.0
+    to_x = lambda x: left + (x - x_low) / (x_high - x_low) * (right - left)  # noqa: E731
+    to_y = lambda y: bottom - (y - y_low) / (y_high - y_low) * (bottom - top)  # noqa: E731
+    grid, frame = (230, 230, 230), (60, 60, 60)
+    x_ticks, x_spacing = _ticks(x_low, x_high, integer=True)
+    for x in x_ticks:
+        draw.line([(to_x(x), top), (to_x(x), bottom)], fill=grid, width=s)
+        draw.line([(to_x(x), bottom), (to_x(x), bottom + 4 * s)], fill=frame, width=s)
+        label = _tick_label(x, x_spacing, max(abs(x_low), abs(x_high)))
+        draw.text((to_x(x), bottom + 6 * s), label, fill="black", font=small, anchor="ma")
+    y_ticks, y_spacing = _ticks(y_low, y_high)
+    for y in y_ticks:
+        draw.line([(left, to_y(y)), (right, to_y(y))], fill=grid, width=s)
+        draw.line([(left - 4 * s, to_y(y)), (left, to_y(y))], fill=frame, width=s)
+        label = _tick_label(y, y_spacing, max(abs(y_low), abs(y_high)))
+        draw.text((left - 6 * s, to_y(y)), label, fill="black", font=small, anchor="rm")
+    draw.rectangle([left, top, right, bottom], outline=frame, width=s)
+    radius = 2.5 * s
+    for (split, segments), colour in zip(lines.items(), LINE_COLOURS * len(lines)):
+        for segment in segments:
+            xy = [(to_x(x), to_y(y)) for x, y in segment]
+            if len(xy) > 1:
+                draw.line(xy, fill=colour, width=2 * s, joint="curve")
+            if split == "eval" or len(xy) == 1:  # a point alone would not show as a line
+                for x, y in xy:
+                    draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=colour)
+    # The legend in the corner that covers the fewest points: a line (and marker) per split,
+    # then its name.
+    row, sample = 18 * s, 22 * s
+    width = sample + 10 * s + max(draw.textlength(split, font=small) for split in lines)
+    height = 6 * s + row * len(lines)
+    drawn = [(to_x(x), to_y(y)) for x, y in points]
+    corners = [
+        (x, y)
+        for y in (top + 6 * s, bottom - 6 * s - height)
+        for x in (right - 6 * s - width, left + 6 * s)
+    ]
+    x0, y0 = min(
+        corners,
+        key=lambda c: sum(
+            c[0] <= x <= c[0] + width and c[1] <= y <= c[1] + height for x, y in drawn
+        ),
+    )
+    draw.rectangle(
+        [x0, y0, x0 + width, y0 + height], fill="white", outline=(200, 200, 200), width=s
+    )
+    for i, (split, colour) in enumerate(zip(lines, LINE_COLOURS * len(lines))):
+        y = y0 + 3 * s + row * i + row / 2
+        x = x0 + 4 * s
+        draw.line([(x, y), (x + sample, y)], fill=colour, width=2 * s)
+        if split == "eval":
+            middle = x + sample / 2
+            draw.ellipse([middle - radius, y - radius, middle + radius, y + radius], fill=colour)
+        draw.text((x + sample + 6 * s, y), split, fill="black", font=small, anchor="lm")
+
+
 def plot_curves(records: list[dict], path) -> str | None:
     """One panel per metric against ``step``; returns ``path``, or None when nothing is plottable.
 
     Args:
       records: metric events such as ``{"step": 100, "train/loss": 0.5, "eval/loss": 0.6}``.
-        Keys ``"<split>/<name>"`` are plotted: one panel per ``name`` (sorted), one line per
-        ``split`` in it (sorted, eval with markers). A step repeated in one series keeps its
-        last value. Other keys are ignored.
+        Keys ``"<split>/<name>"`` are plotted: one panel per ``name`` (sorted, 3 to a row), one
+        line per ``split`` in it (sorted, eval with markers). A step repeated in one series keeps
+        its last value; a NaN or infinite value breaks its line (a point left alone gets
+        a marker). Other keys are ignored.
       path: output PNG file.
+
+    Drawn with PIL alone: every ``train.py`` run writes it at its end, where importing matplotlib
+    and drawing a figure took longer than many short runs' training.
     """
+    from PIL import Image, ImageDraw, ImageFont
+
     series: dict[str, dict[str, dict[int, float]]] = {}
     for record in records:
         if "step" not in record:
@@ -204,39 +348,17 @@ def plot_curves(records: list[dict], path) -> str | None:
                 )
     if not series:
         return None
-    plt = _pyplot()
     names = sorted(series)
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)
-    width, height = 4.5 * cols, 3.2 * rows
-    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
-    # Margins in inches fit the titles and tick labels; tight_layout measured every text first
-    # and took as long as drawing the figure.
-    fig.subplots_adjust(
-        left=0.7 / width,
-        right=1 - 0.2 / width,
-        bottom=0.5 / height,
-        top=1 - 0.35 / height,
-        wspace=0.3,
-        hspace=0.55,
-    )
-    for ax, name in zip(axes.flat, names):
-        for split, points in sorted(series[name].items()):
-            steps = sorted(points)
-            ax.plot(
-                steps,
-                [points[s] for s in steps],
-                marker="o" if split == "eval" else None,
-                markersize=3,
-                label=split,
-            )
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names) :]:
-        ax.axis("off")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    s = _SUPERSAMPLE
+    canvas = Image.new("RGB", (cols * PANEL[0] * s, rows * PANEL[1] * s), "white")
+    draw = ImageDraw.Draw(canvas)
+    fonts = (ImageFont.load_default(size=13 * s), ImageFont.load_default(size=16 * s))
+    for i, name in enumerate(names):
+        lines = {split: _segments(points) for split, points in sorted(series[name].items())}
+        origin = ((i % cols) * PANEL[0] * s, (i // cols) * PANEL[1] * s)
+        _draw_panel(draw, fonts, origin, name, lines)
+    canvas.reduce(s).save(path)
     logging.info("wrote %s", os.fspath(path))
     return path

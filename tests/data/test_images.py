@@ -108,6 +108,42 @@ def test_plot_curves_draws_one_panel_per_metric_and_one_line_per_split(tmp_path)
     assert not (tmp_path / "none.png").exists()
 
 
+def test_plot_curves_breaks_lines_at_non_finite_values_and_marks_lone_points(tmp_path):
+    def drawn(values, eval_points):
+        records = [{"step": s, "train/loss": v} for s, v in values.items()]
+        records += [{"step": s, **points} for s, points in eval_points.items()]
+        return _read(images.plot_curves(records, tmp_path / "curves.png"))
+
+    blue, orange = (31, 119, 180), (255, 127, 14)
+    # Steps 0-3, train's value at step 1 NaN and at 3 infinite: a marker at 0 and a line from 2
+    # to 3; without step 1's entry at all, one line from 0 to 3. The value axis is the same.
+    broken = drawn({0: 1.0, 1: np.nan, 2: 3.0, 3: 4.0, 4: np.inf}, {4: {"eval/loss": 2.0}})
+    whole = drawn({0: 1.0, 2: 3.0, 3: 4.0}, {4: {"eval/loss": 2.0}})
+    lost = _count_near(whole[:, :450], orange, 10) - _count_near(broken[:, :450], orange, 10)
+    assert lost > 200, lost  # the line from 0 to 2, less the marker at 0
+    # The eval point alone is a marker: its colour beyond the legend's line and marker, which an
+    # eval series with nothing finite draws alone in its own panel.
+    picture = drawn({0: 1.0, 2: 3.0}, {2: {"eval/loss": 2.0, "eval/never": np.nan}})
+    legend_only = _count_near(picture[:, 450:], blue, 10)
+    assert legend_only > 20 and 10 < _count_near(picture[:, :450], blue, 10) - legend_only < 60
+
+
+def test_curve_ticks_are_round_and_labelled_with_the_digits_they_need():
+    assert images._ticks(-50.0, 1050.0, integer=True) == ([0, 200, 400, 600, 800, 1000], 200)
+    values, spacing = images._ticks(-0.001, 0.021)
+    assert spacing == 0.005 and np.allclose(values, [0, 0.005, 0.01, 0.015, 0.02])
+    assert [images._tick_label(v, spacing, 0.021) for v in values] == [
+        "0.000",
+        "0.005",
+        "0.010",
+        "0.015",
+        "0.020",
+    ]
+    assert images._tick_label(2.5e-5, 5e-6, 2.6e-5) == "2.5e-05"
+    assert images._tick_label(0.0, 5e-6, 2.6e-5) == "0"
+    assert images._tick_label(1200.0, 200.0, 1250.0) == "1200"
+
+
 def _find(canvas, block):
     """The (row, column) of each place where ``block`` appears in ``canvas``."""
     rows, cols = np.nonzero(np.all(canvas == block[0, 0], axis=-1))
