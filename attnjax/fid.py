@@ -51,10 +51,16 @@ def evaluate(
     kid_subset_size: int = 1000,
     image_size: int = 0,
 ) -> dict[str, float]:
-    """``{"fid": ...}`` of two PATHs, plus ``"is_mean"``, ``"is_std"`` (``"is"``, on PATH_A's
-    ``"logits_unbiased"``), ``"precision"``, ``"recall"`` (``"pr"``) and ``"kid_mean"``,
-    ``"kid_std"`` (``"kid"``) when asked; PATH_A is the generated set."""
-    opened = [sources.open_source(path, data_dir, image_size) for path in (path_a, path_b)]
+    """``{"fid": ...}`` of two PATHs (or the sources ``sources.open_source`` made of them), plus
+    ``"is_mean"``, ``"is_std"`` (``"is"``, on PATH_A's ``"logits_unbiased"``), ``"precision"``,
+    ``"recall"`` (``"pr"``) and ``"kid_mean"``, ``"kid_std"`` (``"kid"``) when asked; PATH_A is
+    the generated set."""
+    opened = [
+        sources.open_source(path, data_dir, image_size)
+        if isinstance(path, (str, os.PathLike))
+        else path
+        for path in (path_a, path_b)
+    ]
     if extractor is None and not all(isinstance(s, sources.Statistics) for s in opened):
         raise ValueError("images need a network: pass --inception WEIGHTS.npz")
     keep = [[feature] if "pr" in metrics or "kid" in metrics else [] for _ in opened]
@@ -125,9 +131,7 @@ def _run(args) -> list[str]:
         raise ValueError(f"--metrics {args.metrics!r}: unknown {unknown}; known {list(METRICS)}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
-    extractor = None
-    if args.inception is not None:
-        extractor = inception_extractor(args.inception, args.dims, args.batch_size, "is" in metrics)
+    # Every check on the paths before the network's weights are read: bad input fails at once.
     progress = not args.no_progress
     if args.save_stats:
         source, out = args.path
@@ -136,14 +140,19 @@ def _run(args) -> list[str]:
         opened = sources.open_source(source, args.data_dir, args.image_size)
         if isinstance(opened, sources.Statistics):
             raise ValueError(f"--save-stats: {source!r} holds statistics already, not images")
-        if extractor is None:
+        if args.inception is None:
             raise ValueError("images need a network: pass --inception WEIGHTS.npz")
         if os.path.exists(out):
             raise ValueError(f"--save-stats: OUT {out!r} exists; not overwriting it")
+        extractor = inception_extractor(args.inception, args.dims, args.batch_size)
         (mu, sigma), _ = measure(opened, extractor, str(args.dims), progress=progress)
         return [f"wrote {save_statistics(out, mu, sigma)}"]
+    opened = [sources.open_source(path, args.data_dir, args.image_size) for path in args.path]
+    extractor = None
+    if args.inception is not None and not all(isinstance(s, sources.Statistics) for s in opened):
+        extractor = inception_extractor(args.inception, args.dims, args.batch_size, "is" in metrics)
     results = evaluate(
-        *args.path,
+        *opened,
         extractor,
         str(args.dims),
         metrics,
