@@ -249,53 +249,57 @@ def _segments(points: dict[int, float]) -> list[list[tuple[int, float]]]:
     return [segment for segment in segments if segment]
 
 
-def _draw_panel(draw, fonts, origin, name: str, lines: dict[str, list[list[tuple[int, float]]]]):
-    """One metric's panel at ``origin`` (supersampled pixels): frame, grid, ticks, title, the
-    ``lines`` (split -> runs of finite (step, value) points) and their legend."""
+def _axis_labels(low: float, high: float, integer: bool = False, count: int = 5):
+    """``_ticks`` with their labels -> [(value, label)]."""
+    values, spacing = _ticks(low, high, integer, count)
+    largest = max(abs(low), abs(high))
+    return [(value, _tick_label(value, spacing, largest)) for value in values]
+
+
+def _step_labels(draw, font, low: float, high: float, length: float, gap: float):
+    """Step ticks whose labels, centred under them, stay ``gap`` apart on an axis ``length``
+    pixels long: fewer ticks where the labels are long (a run resumed at a large step)."""
+    for count in (5, 4, 3, 2):
+        labels = _axis_labels(low, high, integer=True, count=count)
+        if len(labels) < 2:
+            return labels
+        apart = (labels[1][0] - labels[0][0]) / (high - low) * length
+        if max(draw.textlength(label, font=font) for _, label in labels) + gap <= apart:
+            return labels
+    return labels
+
+
+def _draw_axes(draw, font, origin, box, limits, y_labels):
+    """Grid, ticks, tick labels and frame of the plot area ``box`` (left, top, right, bottom)
+    showing ``limits`` (x_low, x_high, y_low, y_high)."""
     s = _SUPERSAMPLE
-    left, top = origin[0] + _MARGINS[0] * s, origin[1] + _MARGINS[1] * s
-    right = origin[0] + (PANEL[0] - _MARGINS[2]) * s
-    bottom = origin[1] + (PANEL[1] - _MARGINS[3]) * s
-    small, large = fonts
-    draw.text(((left + right) / 2, origin[1] + 16 * s), name, fill="black", font=large, anchor="mm")
-    draw.text(((left + right) / 2, bottom + 34 * s), "step", fill="black", font=small, anchor="mm")
-    points = [p for segments in lines.values() for segment in segments for p in segment]
-    if points:
-        x_low, x_high = _limits([x for x, _ in points], integer=True)
-        y_low, y_high = _limits([y for _, y in points])
-    else:
-        x_low, x_high, y_low, y_high = 0.0, 1.0, 0.0, 1.0
-    to_x = lambda x: left + (x - x_low) / (x_high - x_low) * (right - left)  # noqa: E731
-    to_y = lambda y: bottom - (y - y_low) / (y_high - y_low) * (bottom - top)  # noqa: E731
+    left, top, right, bottom = box
+    x_low, x_high, y_low, y_high = limits
     grid, frame = (230, 230, 230), (60, 60, 60)
-    x_ticks, x_spacing = _ticks(x_low, x_high, integer=True)
-    for x in x_ticks:
-        draw.line([(to_x(x), top), (to_x(x), bottom)], fill=grid, width=s)
-        draw.line([(to_x(x), bottom), (to_x(x), bottom + 4 * s)], fill=frame, width=s)
-        label = _tick_label(x, x_spacing, max(abs(x_low), abs(x_high)))
-        draw.text((to_x(x), bottom + 6 * s), label, fill="black", font=small, anchor="ma")
-    y_ticks, y_spacing = _ticks(y_low, y_high)
-    for y in y_ticks:
-        draw.line([(left, to_y(y)), (right, to_y(y))], fill=grid, width=s)
-        draw.line([(left - 4 * s, to_y(y)), (left, to_y(y))], fill=frame, width=s)
-        label = _tick_label(y, y_spacing, max(abs(y_low), abs(y_high)))
-        draw.text((left - 6 * s, to_y(y)), label, fill="black", font=small, anchor="rm")
+    for x, label in _step_labels(draw, font, x_low, x_high, right - left, 8 * s):
+        at = left + (x - x_low) / (x_high - x_low) * (right - left)
+        draw.line([(at, top), (at, bottom)], fill=grid, width=s)
+        draw.line([(at, bottom), (at, bottom + 4 * s)], fill=frame, width=s)
+        # A label at the panel's edge moves inward, off the next panel and inside the picture.
+        half = draw.textlength(label, font=font) / 2
+        at = min(max(at, origin[0] + half + 2 * s), origin[0] + PANEL[0] * s - half - 2 * s)
+        draw.text((at, bottom + 6 * s), label, fill="black", font=font, anchor="ma")
+    for y, label in y_labels:
+        at = bottom - (y - y_low) / (y_high - y_low) * (bottom - top)
+        draw.line([(left, at), (right, at)], fill=grid, width=s)
+        draw.line([(left - 4 * s, at), (left, at)], fill=frame, width=s)
+        draw.text((left - 6 * s, at), label, fill="black", font=font, anchor="rm")
     draw.rectangle([left, top, right, bottom], outline=frame, width=s)
-    radius = 2.5 * s
-    for (split, segments), colour in zip(lines.items(), LINE_COLOURS * len(lines)):
-        for segment in segments:
-            xy = [(to_x(x), to_y(y)) for x, y in segment]
-            if len(xy) > 1:
-                draw.line(xy, fill=colour, width=2 * s, joint="curve")
-            if split == "eval" or len(xy) == 1:  # a point alone would not show as a line
-                for x, y in xy:
-                    draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=colour)
-    # The legend in the corner that covers the fewest points: a line (and marker) per split,
-    # then its name.
-    row, sample = 18 * s, 22 * s
-    width = sample + 10 * s + max(draw.textlength(split, font=small) for split in lines)
-    height = 6 * s + row * len(lines)
-    drawn = [(to_x(x), to_y(y)) for x, y in points]
+
+
+def _draw_legend(draw, font, box, drawn, splits):
+    """A line (and marker for eval) per split, then its name, in the corner of ``box`` that
+    covers the fewest of the ``drawn`` points."""
+    s = _SUPERSAMPLE
+    left, top, right, bottom = box
+    row, sample, radius = 18 * s, 22 * s, 2.5 * s
+    width = sample + 10 * s + max(draw.textlength(split, font=font) for split in splits)
+    height = 6 * s + row * len(splits)
     corners = [
         (x, y)
         for y in (top + 6 * s, bottom - 6 * s - height)
@@ -310,14 +314,50 @@ def _draw_panel(draw, fonts, origin, name: str, lines: dict[str, list[list[tuple
     draw.rectangle(
         [x0, y0, x0 + width, y0 + height], fill="white", outline=(200, 200, 200), width=s
     )
-    for i, (split, colour) in enumerate(zip(lines, LINE_COLOURS * len(lines))):
+    for i, (split, colour) in enumerate(zip(splits, LINE_COLOURS * len(splits))):
         y = y0 + 3 * s + row * i + row / 2
         x = x0 + 4 * s
         draw.line([(x, y), (x + sample, y)], fill=colour, width=2 * s)
         if split == "eval":
             middle = x + sample / 2
             draw.ellipse([middle - radius, y - radius, middle + radius, y + radius], fill=colour)
-        draw.text((x + sample + 6 * s, y), split, fill="black", font=small, anchor="lm")
+        draw.text((x + sample + 6 * s, y), split, fill="black", font=font, anchor="lm")
+
+
+def _draw_panel(draw, fonts, origin, name: str, lines: dict[str, list[list[tuple[int, float]]]]):
+    """One metric's panel at ``origin`` (supersampled pixels): axes, title, the ``lines``
+    (split -> runs of finite (step, value) points) and their legend."""
+    s = _SUPERSAMPLE
+    small, large = fonts
+    points = [p for segments in lines.values() for segment in segments for p in segment]
+    if points:
+        limits = (*_limits([x for x, _ in points], integer=True), *_limits([y for _, y in points]))
+    else:
+        limits = (0.0, 1.0, 0.0, 1.0)
+    x_low, x_high, y_low, y_high = limits
+    y_labels = _axis_labels(y_low, y_high)
+    # Values that need many digits push the plot area right rather than off the panel.
+    widest = max(draw.textlength(label, font=small) for _, label in y_labels)
+    left = origin[0] + max(_MARGINS[0] * s, widest + 10 * s)
+    top = origin[1] + _MARGINS[1] * s
+    right = origin[0] + (PANEL[0] - _MARGINS[2]) * s
+    bottom = origin[1] + (PANEL[1] - _MARGINS[3]) * s
+    draw.text(((left + right) / 2, origin[1] + 16 * s), name, fill="black", font=large, anchor="mm")
+    draw.text(((left + right) / 2, bottom + 34 * s), "step", fill="black", font=small, anchor="mm")
+    _draw_axes(draw, small, origin, (left, top, right, bottom), limits, y_labels)
+    to_x = lambda x: left + (x - x_low) / (x_high - x_low) * (right - left)  # noqa: E731
+    to_y = lambda y: bottom - (y - y_low) / (y_high - y_low) * (bottom - top)  # noqa: E731
+    radius = 2.5 * s
+    for (split, segments), colour in zip(lines.items(), LINE_COLOURS * len(lines)):
+        for segment in segments:
+            xy = [(to_x(x), to_y(y)) for x, y in segment]
+            if len(xy) > 1:
+                draw.line(xy, fill=colour, width=2 * s, joint="curve")
+            if split == "eval" or len(xy) == 1:  # a point alone would not show as a line
+                for x, y in xy:
+                    draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=colour)
+    drawn = [(to_x(x), to_y(y)) for x, y in points]
+    _draw_legend(draw, small, (left, top, right, bottom), drawn, list(lines))
 
 
 def plot_curves(records: list[dict], path) -> str | None:
@@ -359,6 +399,7 @@ def plot_curves(records: list[dict], path) -> str | None:
         lines = {split: _segments(points) for split, points in sorted(series[name].items())}
         origin = ((i % cols) * PANEL[0] * s, (i // cols) * PANEL[1] * s)
         _draw_panel(draw, fonts, origin, name, lines)
-    canvas.reduce(s).save(path)
+    # The fastest compression: written at the end of every run, where time matters more than bytes.
+    canvas.reduce(s).save(path, compress_level=1)
     logging.info("wrote %s", os.fspath(path))
     return path

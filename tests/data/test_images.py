@@ -144,6 +144,39 @@ def test_curve_ticks_are_round_and_labelled_with_the_digits_they_need():
     assert images._tick_label(1200.0, 200.0, 1250.0) == "1200"
 
 
+def test_plot_curves_fills_rows_of_three_and_leaves_the_cells_after_the_last_panel_white(
+    tmp_path,
+):
+    records = [{"step": s, **{f"train/m{i}": float(s * i) for i in range(4)}} for s in range(5)]
+    picture = _read(images.plot_curves(records, tmp_path / "curves.png"))
+    assert picture.shape[:2] == (2 * 320, 3 * 450)
+    blue = (31, 119, 180)
+    for i in range(4):
+        top, left = 320 * (i // 3), 450 * (i % 3)
+        assert _count_near(picture[top : top + 320, left : left + 450], blue, 10) > 50, i
+    assert (picture[320:, 450:] == WHITE).all()
+
+
+def test_plot_curves_keeps_step_labels_apart_and_inside_the_picture(tmp_path):
+    # A run resumed at step 1,000,000: long labels, which must neither overlap nor be cut off.
+    records = [{"step": 10**6 + s, "train/loss": 1.0 / (s + 1)} for s in range(0, 1001, 50)]
+    picture = _read(images.plot_curves(records, tmp_path / "curves.png"))
+    band = picture[280:298]  # below the tick marks, above "step"
+    dark = np.flatnonzero((band[..., :3].max(-1) < 128).any(0))
+    # Columns holding text, split where more than 6 blank columns part them: one group a label.
+    groups = np.split(dark, np.flatnonzero(np.diff(dark) > 6) + 1)
+    widths = [int(g[-1] - g[0]) + 1 for g in groups]
+    assert len(groups) >= 2 and max(widths) < 90, widths
+    assert (band[:, -2:] == WHITE).all()
+
+
+def test_curve_limits_pad_the_range_and_open_up_a_single_value():
+    assert np.allclose(images._limits([1.0, 3.0]), (0.9, 3.1))
+    assert np.allclose(images._limits([2.0, 2.0]), (1.9, 2.1))
+    assert images._limits([0.0]) == (-1.0, 1.0)
+    assert images._limits([7], integer=True) == (6, 8)
+
+
 def _find(canvas, block):
     """The (row, column) of each place where ``block`` appears in ``canvas``."""
     rows, cols = np.nonzero(np.all(canvas == block[0, 0], axis=-1))
