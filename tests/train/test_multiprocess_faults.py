@@ -1,6 +1,6 @@
 """One of several processes fails: a SIGTERM to one, a stalled one (SIGSTOP), one killed
 mid-save, one whose disk is full. The others never hang, nothing complete is damaged, and a
-relaunch, on the same or another process count, ends where an uninterrupted run ends
+relaunch, on another process count (1 x 4, 4 x 1), ends where an uninterrupted run ends
 (attnjax/train/watchdog.py, elastic.py, launch.py, preemption.py)."""
 
 import glob
