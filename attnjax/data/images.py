@@ -199,6 +199,7 @@ PANEL = (450, 320)  # pixels of one metric's panel: 4.5 x 3.2 inches at 100 dpi
 # The plot area inside a panel: left, top, right and bottom margins (tick labels, title, "step").
 _MARGINS = (64, 30, 14, 46)
 _SUPERSAMPLE = 2  # drawn at twice the size, then averaged down: smooth lines without antialiasing
+_MARKER_RADIUS = 2.5 * _SUPERSAMPLE
 
 
 def _ticks(low: float, high: float, integer: bool = False, count: int = 5):
@@ -269,15 +270,19 @@ def _step_labels(draw, font, low: float, high: float, length: float, gap: float)
     return labels
 
 
-def _draw_axes(draw, font, origin, box, limits, y_labels):
-    """Grid, ticks, tick labels and frame of the plot area ``box`` (left, top, right, bottom)
-    showing ``limits`` (x_low, x_high, y_low, y_high)."""
+def _marker(draw, x: float, y: float, colour) -> None:
+    r = _MARKER_RADIUS
+    draw.ellipse([x - r, y - r, x + r, y + r], fill=colour)
+
+
+def _draw_axes(draw, font, origin, box, steps, to_x, to_y, y_labels):
+    """Grid, ticks, tick labels and frame of the plot area ``box`` (left, top, right, bottom),
+    whose x axis shows ``steps`` (low, high); ``to_x``, ``to_y``: data -> pixels."""
     s = _SUPERSAMPLE
     left, top, right, bottom = box
-    x_low, x_high, y_low, y_high = limits
     grid, frame = (230, 230, 230), (60, 60, 60)
-    for x, label in _step_labels(draw, font, x_low, x_high, right - left, 8 * s):
-        at = left + (x - x_low) / (x_high - x_low) * (right - left)
+    for x, label in _step_labels(draw, font, *steps, right - left, 8 * s):
+        at = to_x(x)
         draw.line([(at, top), (at, bottom)], fill=grid, width=s)
         draw.line([(at, bottom), (at, bottom + 4 * s)], fill=frame, width=s)
         # A label at the panel's edge moves inward, off the next panel and inside the picture.
@@ -285,7 +290,7 @@ def _draw_axes(draw, font, origin, box, limits, y_labels):
         at = min(max(at, origin[0] + half + 2 * s), origin[0] + PANEL[0] * s - half - 2 * s)
         draw.text((at, bottom + 6 * s), label, fill="black", font=font, anchor="ma")
     for y, label in y_labels:
-        at = bottom - (y - y_low) / (y_high - y_low) * (bottom - top)
+        at = to_y(y)
         draw.line([(left, at), (right, at)], fill=grid, width=s)
         draw.line([(left - 4 * s, at), (left, at)], fill=frame, width=s)
         draw.text((left - 6 * s, at), label, fill="black", font=font, anchor="rm")
@@ -297,7 +302,7 @@ def _draw_legend(draw, font, box, drawn, splits):
     covers the fewest of the ``drawn`` points."""
     s = _SUPERSAMPLE
     left, top, right, bottom = box
-    row, sample, radius = 18 * s, 22 * s, 2.5 * s
+    row, sample = 18 * s, 22 * s
     width = sample + 10 * s + max(draw.textlength(split, font=font) for split in splits)
     height = 6 * s + row * len(splits)
     corners = [
@@ -319,8 +324,7 @@ def _draw_legend(draw, font, box, drawn, splits):
         x = x0 + 4 * s
         draw.line([(x, y), (x + sample, y)], fill=colour, width=2 * s)
         if split == "eval":
-            middle = x + sample / 2
-            draw.ellipse([middle - radius, y - radius, middle + radius, y + radius], fill=colour)
+            _marker(draw, x + sample / 2, y, colour)
         draw.text((x + sample + 6 * s, y), split, fill="black", font=font, anchor="lm")
 
 
@@ -344,10 +348,10 @@ def _draw_panel(draw, fonts, origin, name: str, lines: dict[str, list[list[tuple
     bottom = origin[1] + (PANEL[1] - _MARGINS[3]) * s
     draw.text(((left + right) / 2, origin[1] + 16 * s), name, fill="black", font=large, anchor="mm")
     draw.text(((left + right) / 2, bottom + 34 * s), "step", fill="black", font=small, anchor="mm")
-    _draw_axes(draw, small, origin, (left, top, right, bottom), limits, y_labels)
     to_x = lambda x: left + (x - x_low) / (x_high - x_low) * (right - left)  # noqa: E731
     to_y = lambda y: bottom - (y - y_low) / (y_high - y_low) * (bottom - top)  # noqa: E731
-    radius = 2.5 * s
+    box = (left, top, right, bottom)
+    _draw_axes(draw, small, origin, box, (x_low, x_high), to_x, to_y, y_labels)
     for (split, segments), colour in zip(lines.items(), LINE_COLOURS * len(lines)):
         for segment in segments:
             xy = [(to_x(x), to_y(y)) for x, y in segment]
@@ -355,9 +359,9 @@ def _draw_panel(draw, fonts, origin, name: str, lines: dict[str, list[list[tuple
                 draw.line(xy, fill=colour, width=2 * s, joint="curve")
             if split == "eval" or len(xy) == 1:  # a point alone would not show as a line
                 for x, y in xy:
-                    draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=colour)
+                    _marker(draw, x, y, colour)
     drawn = [(to_x(x), to_y(y)) for x, y in points]
-    _draw_legend(draw, small, (left, top, right, bottom), drawn, list(lines))
+    _draw_legend(draw, small, box, drawn, list(lines))
 
 
 def plot_curves(records: list[dict], path) -> str | None:
