@@ -39,6 +39,11 @@ METRICS = ("is", "pr", "kid")
 ISC_FEATURE = "logits_unbiased"  # torch-fidelity's and the original Inception Score's
 
 
+def _needs_network(opened) -> bool:
+    """Whether any of the opened sources holds images rather than their statistics."""
+    return not all(isinstance(source, sources.Statistics) for source in opened)
+
+
 def evaluate(
     path_a: str,
     path_b: str,
@@ -61,7 +66,7 @@ def evaluate(
         else path
         for path in (path_a, path_b)
     ]
-    if extractor is None and not all(isinstance(s, sources.Statistics) for s in opened):
+    if extractor is None and _needs_network(opened):
         raise ValueError("images need a network: pass --inception WEIGHTS.npz")
     keep = [[feature] if "pr" in metrics or "kid" in metrics else [] for _ in opened]
     if "is" in metrics:
@@ -149,7 +154,7 @@ def _run(args) -> list[str]:
         return [f"wrote {save_statistics(out, mu, sigma)}"]
     opened = [sources.open_source(path, args.data_dir, args.image_size) for path in args.path]
     extractor = None
-    if args.inception is not None and not all(isinstance(s, sources.Statistics) for s in opened):
+    if args.inception is not None and _needs_network(opened):
         extractor = inception_extractor(args.inception, args.dims, args.batch_size, "is" in metrics)
     results = evaluate(
         *opened,
