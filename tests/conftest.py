@@ -34,14 +34,17 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ["ATTNJAX_CPU_AUTOTUNE"] = "0"
 # The suite checks values, not speed: LLVM at -O0 and XLA's loop emitters instead of its fusion
 # emitters (where this jaxlib still has them) compile its programs in about 60% of the default's
-# time and compute the same values to float32 rounding (benchmarks/results/compile_flags.md).
-# Subprocesses inherit them through helpers.xla_flags.
+# time and compute the same values to float32 rounding; LLVM code generated in one part rather
+# than parts on a thread pool takes 7-28% less CPU again, and the suite's two workers are bound
+# by CPU (benchmarks/results/compile_flags.md). Subprocesses inherit them through
+# helpers.xla_flags.
 os.environ["XLA_FLAGS"] = " ".join(
     dict.fromkeys(
         [
             *os.environ.get("XLA_FLAGS", "").split(),
             "--xla_backend_optimization_level=0",
             *compat.xla_cpu_loop_emitter_flags(),
+            "--xla_cpu_parallel_codegen_split_count=1",
         ]
     )
 )
