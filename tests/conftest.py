@@ -235,6 +235,18 @@ def lpips_reference():
     return torch_lpips.LPIPS(net="vgg", pnet_rand=True, verbose=False).eval()
 
 
+def pytest_itemcollected(item):
+    """A test that uses a module-scoped fixture runs on the worker of the other tests of its module
+    that use one: under ``--dist loadgroup`` ungrouped tests go to either worker, and each worker
+    would build the fixture again (the GPU check's dry run, a 30 s subprocess, ran twice)."""
+    if item.get_closest_marker("xdist_group") is not None:
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    fixtures = info.name2fixturedefs.values() if info is not None else ()
+    if any(d.scope == "module" for defs in fixtures for d in defs):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 # Longest first, so that no xdist worker is left alone with a long group at the end: the
 # multi-process runs, the fault runs and the tests of the trained runs (their xdist groups).
 LONGEST = ("multiprocess", "faults", "trained_runs")

@@ -12,3 +12,16 @@ def test_xdist_groups_reach_the_scheduler(request):
     if not getattr(request.config.option, "loadgroup", False):  # set on xdist's workers
         pytest.skip("not run with --dist loadgroup")
     assert request.node.nodeid.endswith("@suite"), request.node.nodeid
+
+
+@pytest.fixture(scope="module")
+def module_fixture():
+    return object()
+
+
+def test_tests_of_a_module_fixture_share_one_worker(request, module_fixture):
+    """A test that uses a module-scoped fixture joins its module's xdist group (conftest's
+    ``pytest_itemcollected``), so the fixture is made on one worker only."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not run with --dist loadgroup")
+    assert request.node.nodeid.endswith("@tests.test_suite"), request.node.nodeid
