@@ -92,10 +92,7 @@ def for_compiling(config):
 
 def abstract_state(config, task, model, batch):
     """The task's train state as ``jax.ShapeDtypeStruct``s (nothing initialised)."""
-    rng = jax.random.PRNGKey(int(config.seed))
-    return jax.eval_shape(
-        lambda key, example: task.create_train_state(key, config, model, example), rng, batch
-    )
+    return loop.abstract_train_state(config, task, model, batch, jax.random.PRNGKey(config.seed))
 
 
 def _placed(tree, shardings):

@@ -163,7 +163,10 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     tx = optim.make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), ema_params=ema
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=jax.jit(tx.init)(params),
+        ema_params=ema,
     )
 
 

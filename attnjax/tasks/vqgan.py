@@ -180,7 +180,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         disc_vars = jax.jit(model["discriminator"].init)(disc_rng, images)
         params["discriminator"] = disc_vars["params"]
         batch_stats = disc_vars.get("batch_stats", {})
-        disc_opt_state = disc_tx.init(params["discriminator"])
+        disc_opt_state = jax.jit(disc_tx.init)(params["discriminator"])
     if model["lpips"] is not None:
         lpips_params = lpips.load_variables(config.lpips.weights)
         logging.info("LPIPS weights from %s", config.lpips.weights)
@@ -188,7 +188,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         step=jnp.zeros((), jnp.int32),
         params=params,
         quantizer_state=variables.get("vq_state", {}),
-        opt_state=tx.init(params["autoencoder"]),
+        opt_state=jax.jit(tx.init)(params["autoencoder"]),
         disc_opt_state=disc_opt_state,
         batch_stats=batch_stats,
         lpips_params=lpips_params,

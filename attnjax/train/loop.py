@@ -125,7 +125,10 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     model = task.create_model(config)
     datasets = _make_datasets(config, task)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    state = _create_train_state(config, task, model, datasets, dp, init_rng)
+    # A resumed run replaces every value of its initial state: it needs only the state's shapes
+    # and layout, not the compiled and run initialisation.
+    resuming = dp.mode == "jit" and checkpoint.latest_step(workdir) is not None
+    state = _create_train_state(config, task, model, datasets, dp, init_rng, abstract=resuming)
     profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
 
     is_main = jax.process_index() == 0
@@ -149,6 +152,8 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         stack.callback(progress.enter, "save")  # the wait for the pending writes
         train_iter = data.make_iterator(datasets.train, config.get("data"))
         start, state = _restore(ckpt, state, train_iter, workdir)
+        if resuming and not start:  # its steps went between the look and the restore
+            state = _create_train_state(config, task, model, datasets, dp, init_rng)
         if is_main:
             checkpoint.write_config(workdir, config)
         _log_setup(config, datasets, dp)
@@ -227,11 +232,31 @@ def _make_datasets(config, task) -> data.Datasets:
     )
 
 
-def _create_train_state(config, task, model, datasets, dp, init_rng):
-    """The task's initial state; under jit already in the mesh layout restored checkpoints take."""
+def _create_train_state(config, task, model, datasets, dp, init_rng, abstract=False):
+    """The task's initial state; under jit already in the mesh layout restored checkpoints take.
+    ``abstract``: its ``jax.ShapeDtypeStruct``s in that layout (jit), a target to restore into."""
     example = next(data.make_iterator(datasets.train, config.get("data")))
+    if abstract:
+        shapes = abstract_train_state(config, task, model, example, init_rng)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            shapes,
+            dp.state_shardings(shapes),
+        )
     state = task.create_train_state(init_rng, config, model, example)
     return dp.place_state(state) if dp.mode == "jit" else state
+
+
+def abstract_train_state(config, task, model, example, rng):
+    """The task's train state as ``jax.ShapeDtypeStruct``s, nothing initialised: the state's
+    shapes for ``example`` (a batch, or its ``ShapeDtypeStruct``s). ``init_from``'s pretrained
+    weights replace values, never shapes, and are not read."""
+    config = config.copy_and_resolve_references()
+    if config.get("init_from"):
+        config.init_from = ""
+    return jax.eval_shape(
+        lambda key, batch: task.create_train_state(key, config, model, batch), rng, example
+    )
 
 
 def _restore(ckpt, state, train_iter, workdir) -> tuple[int, Any]:

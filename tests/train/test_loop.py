@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from helpers import assert_close, load_config, tiny_vit, tiny_vit_config
+from helpers import assert_close, load_config, tiny_vit, tiny_vit_config, tiny_vqgan_config
 
 from attnjax import data
-from attnjax.tasks import classification, train_and_evaluate
-from attnjax.train import report
+from attnjax.tasks import classification, get_task, train_and_evaluate
+from attnjax.train import loop, report
 
 # ---- a short real run: every output a person looks at -------------------------------------
 
@@ -166,6 +166,26 @@ def test_bad_configs_fail_before_training_and_leave_the_workdir_alone(short_run,
     again = train_and_evaluate(config, workdir)
     assert again["step"] == 8 and again["eval/accuracy"] == result["eval/accuracy"]
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
+
+
+@pytest.mark.parametrize("make_config", [tiny_vit_config, tiny_vqgan_config])
+def test_a_resuming_runs_target_is_the_initial_states_shapes_and_layout(make_config, digits_dir):
+    """A resuming run restores into ``jax.eval_shape`` of the task's initialisation placed by
+    the mesh's rules (nothing initialised): the initialised and placed state's tree, shapes,
+    dtypes and shardings. (Across meshes and process counts: the resumes of
+    test_multiprocess_faults.py, from a checkpoint whose parameters 2 processes split.)"""
+    config = make_config(digits_dir)
+    task = get_task(config.task)
+    dp = loop.make_data_parallel(config, task)
+    model = task.create_model(config)
+    datasets = loop._make_datasets(config, task)
+    rng = jax.random.PRNGKey(0)
+    state = loop._create_train_state(config, task, model, datasets, dp, rng)
+    target = loop._create_train_state(config, task, model, datasets, dp, rng, abstract=True)
+    assert jax.tree.structure(target) == jax.tree.structure(state)
+    for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
+        assert isinstance(t, jax.ShapeDtypeStruct) and not isinstance(x, jax.ShapeDtypeStruct)
+        assert (t.shape, t.dtype, t.sharding) == (x.shape, x.dtype, x.sharding)
 
 
 def test_read_metrics_keeps_the_last_record_of_each_step_and_kind(tmp_path):
