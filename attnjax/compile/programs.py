@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from attnjax.compile.targets import Target
 from attnjax.ops import autotune
-from attnjax.train import loop, performance
+from attnjax.train import loop, parallel, performance
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -81,24 +81,10 @@ def _bytes(text: str) -> int:
     return int(float(text.rstrip("KMGT")) * _UNITS[text[-1] if text[-1] in "KMGT" else ""])
 
 
-def for_compiling(config):
-    """``config`` without what compiling needs no file for: ``init_from`` (pretrained weights
-    replace values, never shapes)."""
-    config = config.copy_and_resolve_references()
-    if config.get("init_from"):
-        config.init_from = ""
-    return config
-
-
 def abstract_state(config, task, model, batch):
-    """The task's train state as ``jax.ShapeDtypeStruct``s (nothing initialised)."""
+    """The task's train state as ``jax.ShapeDtypeStruct``s (nothing initialised, no
+    ``init_from`` file read)."""
     return loop.abstract_train_state(config, task, model, batch, jax.random.PRNGKey(config.seed))
-
-
-def _placed(tree, shardings):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
 
 
 def _compiled_flops(compiled) -> float | None:
@@ -149,7 +135,6 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
     """The train step, eval step and (a task with ``sample_step``) the sampler of ``config``
     compiled for ``target`` -> ``(mesh axis sizes, programs)``; ``only``: the names to compile
     (default all)."""
-    config = for_compiling(config)
     if target.platform != "cpu":
         autotune.set_enabled(False)  # choices timed on this CPU say nothing about the target
     model = task.create_model(config)
@@ -163,8 +148,10 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
     }
     state = abstract_state(config, task, model, train_batch)
     train_step, eval_step = loop.compile_steps(config, task, model, dp, state)
-    placed = _placed(state, dp.state_shardings(state))
-    place_batch = lambda batch: _placed(batch, jax.tree.map(lambda _: dp.batch_sharding, batch))
+    placed = parallel.placed_shapes(state, dp.state_shardings(state))
+    place_batch = lambda batch: parallel.placed_shapes(
+        batch, jax.tree.map(lambda _: dp.batch_sharding, batch)
+    )
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=dp.replicated)
     plans = {
         "train": (

@@ -238,11 +238,7 @@ def _create_train_state(config, task, model, datasets, dp, init_rng, abstract=Fa
     example = next(data.make_iterator(datasets.train, config.get("data")))
     if abstract:
         shapes = abstract_train_state(config, task, model, example, init_rng)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            shapes,
-            dp.state_shardings(shapes),
-        )
+        return parallel.placed_shapes(shapes, dp.state_shardings(shapes))
     state = task.create_train_state(init_rng, config, model, example)
     return dp.place_state(state) if dp.mode == "jit" else state
 

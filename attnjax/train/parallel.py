@@ -214,6 +214,15 @@ def train_step_compiler_options(config, mesh) -> dict:
     return {}
 
 
+def placed_shapes(tree, shardings):
+    """``tree``'s shapes and dtypes as ``jax.ShapeDtypeStruct``s laid out by ``shardings`` (a tree
+    of the same structure): what a program is compiled for, or a checkpoint restored into,
+    without any values."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
 class DataParallel:
     """Placement and compilation for one ``mode`` (``"jit"`` or ``"pmap"``).
 
