@@ -1,5 +1,10 @@
 # Two user-facing targets: `make demo` and `make test`. Both build .venv from scratch when needed.
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The distribution's Python 3.11 where it can make venvs, before one found on PATH: Debian's links
+# libpython into the executable, while a pyenv build configured without --enable-optimizations
+# loads it as a shared library; the suite, mostly JAX tracing and lowering in Python, runs about a
+# tenth faster on Debian's (benchmarks/results/suite.md). `make clean` after it changes.
+DISTRIBUTION_PYTHON := $(shell /usr/bin/python3.11 -c "import ensurepip, venv" 2>/dev/null && echo /usr/bin/python3.11)
+PYTHON ?= $(or $(DISTRIBUTION_PYTHON),$(shell command -v python3.11 || command -v python3))
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
