@@ -51,7 +51,7 @@ from attnjax.tasks import classification as classification_task
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import train_and_evaluate
 from attnjax.tasks.classification import PRE_LOGITS
-from attnjax.train import checkpoint, compilation_cache, parallel, report
+from attnjax.train import checkpoint, collector, compilation_cache, parallel, report
 
 # The domain FIDs of the table: its rows, in order (the feature network is the digits ViT).
 DOMAIN_FIDS = (
@@ -277,6 +277,7 @@ def format_summary(summary: dict) -> str:
 
 def main(argv=None):
     compilation_cache.enable()
+    collector.raise_thresholds()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--samples_per_class", type=int, default=50)

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 from attnjax import compat
 from attnjax.compile import run as compile_only
 from attnjax.tasks import train_and_evaluate
-from attnjax.train import compilation_cache, parallel, preemption, watchdog
+from attnjax.train import collector, compilation_cache, parallel, preemption, watchdog
 from attnjax.train.watchdog import one_line
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -60,6 +60,7 @@ def main(argv):
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
+    collector.raise_thresholds()  # before anything is traced
     if _COMPILE_ONLY.value:
         if compat.persistent_cache_reloads_compile_only_programs():
             compilation_cache.enable()

@@ -12,6 +12,7 @@ import pathlib
 import platform
 
 from attnjax import compat
+from attnjax.train import collector
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole suite and every subprocess it starts (they
@@ -51,6 +52,10 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 import numpy as np
 import pytest
+
+# Each worker traces thousands of programs: train.py's collector thresholds (attnjax/train/
+# collector.py), which its subprocesses set for themselves.
+collector.raise_thresholds()
 
 # timm and lpips import torchvision, whose PyPI build links CUDA libraries the CPU torch lacks.
 # (The environment of `make test-cuda` has no torch.)
