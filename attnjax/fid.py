@@ -32,7 +32,7 @@ from attnjax.metrics.features import (
     measure,
 )
 from attnjax.metrics.statistics import frechet_distance, save_statistics
-from attnjax.train import compilation_cache
+from attnjax.train import collector, compilation_cache
 
 DIMS = (64, 192, 768, 2048)
 METRICS = ("is", "pr", "kid")
@@ -180,6 +180,7 @@ def _run(args) -> list[str]:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     compilation_cache.enable()
+    collector.raise_thresholds()
     try:
         lines = _run(args)
     except (ValueError, OSError) as error:

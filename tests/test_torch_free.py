@@ -28,6 +28,8 @@ BLOCKER = textwrap.dedent(f"""
 
 STEP = textwrap.dedent("""
     import importlib, json, pathlib, sys
+    from attnjax.train import collector
+    collector.raise_thresholds()
     try:
         import torch
         sys.exit("torch imported although blocked")

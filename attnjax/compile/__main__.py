@@ -7,7 +7,7 @@ from ml_collections import config_flags
 
 from attnjax import compat
 from attnjax.compile import run, targets
-from attnjax.train import compilation_cache
+from attnjax.train import collector, compilation_cache
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {targets.FORMS}.")
@@ -17,6 +17,7 @@ _JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    collector.raise_thresholds()
     if compat.persistent_cache_reloads_compile_only_programs():
         compilation_cache.enable()
     try:

@@ -272,9 +272,10 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     # Here, not at the top: loading an export must not import the training side.
-    from attnjax.train import compilation_cache
+    from attnjax.train import collector, compilation_cache
 
     compilation_cache.enable()
+    collector.raise_thresholds()
     platforms = None if args.platforms is None else tuple(args.platforms.split(","))
     try:
         manifest = export_workdir(

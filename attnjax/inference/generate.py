@@ -45,7 +45,7 @@ from attnjax.models import gpt, sampling
 from attnjax.tasks import classification, image_metrics
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
-from attnjax.train import checkpoint, compilation_cache
+from attnjax.train import checkpoint, collector, compilation_cache
 
 
 class TrainedPrior(NamedTuple):
@@ -291,6 +291,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     compilation_cache.enable()
+    collector.raise_thresholds()
     try:
         path = run_command(parse_args(argv))
     except (ValueError, FileNotFoundError) as error:

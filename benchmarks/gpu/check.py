@@ -371,6 +371,10 @@ def work(args) -> int:
     sys.path.append(str(ROOT / "benchmarks"))  # timing.py, behind every installed module
     import measure  # imports jax: after the parent has set the environment
 
+    from attnjax.train import collector
+
+    collector.raise_thresholds()
+
     with open(args.events, "a") as events:
 
         def write(**event):

@@ -247,6 +247,8 @@ def test_bad_options_are_named():
 
 SHARDED = textwrap.dedent("""
     import json, sys
+    from attnjax.train import collector
+    collector.raise_thresholds()
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from attnjax.models import quantizers

@@ -19,6 +19,8 @@ from attnjax.train import checkpoint, parallel
 
 EIGHT_DEVICES = textwrap.dedent("""
     import json, os, sys
+    from attnjax.train import collector
+    collector.raise_thresholds()
     sys.path.insert(0, os.path.join({root!r}, "tests"))
     import jax, numpy as np
     import flax
@@ -95,6 +97,8 @@ def test_jit_and_pmap_on_8_devices_equal_one_device(digits_dir, one_device_run, 
 
 CPU_CORES_AS_DEVICES = textwrap.dedent("""
     import json, os, sys
+    from attnjax.train import collector
+    collector.raise_thresholds()
     sys.path.insert(0, os.path.join({root!r}, "tests"))
     import jax
     import flax, numpy as np

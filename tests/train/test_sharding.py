@@ -19,6 +19,8 @@ from attnjax.train import checkpoint, sharding
 
 EIGHT_DEVICES = textwrap.dedent("""
     import json, os, sys
+    from attnjax.train import collector
+    collector.raise_thresholds()
     sys.path.insert(0, os.path.join({root!r}, "tests"))
     import jax, numpy as np
     from helpers import fsdp_config, train_steps
@@ -39,6 +41,8 @@ EIGHT_DEVICES = textwrap.dedent("""
 
 FOUR_DEVICES = textwrap.dedent("""
     import os, sys
+    from attnjax.train import collector
+    collector.raise_thresholds()
     sys.path.insert(0, os.path.join({root!r}, "tests"))
     import flax, jax, numpy as np
     from helpers import fsdp_config
