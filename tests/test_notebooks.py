@@ -20,18 +20,29 @@ from nbclient import NotebookClient
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 KERNEL = "attnjax-tests"
+# ipykernel_launcher's steps, after train.py's collector thresholds (attnjax/train/collector.py):
+# the notebooks trace as much as a training run does.
+KERNEL_MAIN = (
+    "import sys\n"
+    "if sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "from attnjax.train import collector\n"
+    "collector.raise_thresholds()\n"
+    "from ipykernel import kernelapp\n"
+    "kernelapp.launch_new_instance()\n"
+)
 # Run after the notebook's ``parameters`` cell: enough steps to pass warm-up, fewer than shown.
 SUITE_PARAMETERS = {"02_vit.ipynb": "STEPS = 40", "03_vqgan.ipynb": "STEPS = 24"}
 
 
 @pytest.fixture
 def kernel_of_this_interpreter(tmp_path_factory, monkeypatch):
-    """A kernelspec whose argv is ``sys.executable``, found first on JUPYTER_PATH."""
+    """A kernelspec that runs ``sys.executable``, found first on JUPYTER_PATH."""
     root = tmp_path_factory.mktemp("jupyter")
     spec_dir = root / "kernels" / KERNEL
     spec_dir.mkdir(parents=True)
     spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-c", KERNEL_MAIN, "-f", "{connection_file}"],
         "display_name": "attnjax tests",
         "language": "python",
     }
