@@ -6,7 +6,7 @@
 # Installs the wheels `make gpu-wheels` put in .whl/ (what the machine's image lacks), then runs
 # benchmarks/gpu/check.py, which prints the versions first and writes OUTDIR/gpu_check.json
 # (OUTDIR: $OUT, else benchmarks/results) and gpu_check.log beside it. Each part of the check has
-# its own time limit inside 8 minutes. PYTHON picks the interpreter (default python3, the image's).
+# its own time limit inside 9 minutes. PYTHON picks the interpreter (default python3, the image's).
 set -u
 cd "$(dirname "$0")/../.."
 OUTDIR="${1:-${OUT:-benchmarks/results}}"
