@@ -6,6 +6,7 @@ pre-LN blocks with torch.nn.MultiheadAttention and a Linear-GELU-Linear MLP, fin
 on the class token.
 """
 
+import functools
 import re
 
 import chex
@@ -252,9 +253,14 @@ def test_scan_layers_and_remat_give_identical_logits_and_gradients(torch_pair):
         )
 
     plain = vit.stack_block_params(grads(model, variables["params"]))
-    chex.assert_trees_all_close(
-        grads(scanned.clone(remat=True), scanned_params), plain, rtol=1e-5, atol=1e-7
-    )
+    scanned_grads = grads(scanned.clone(remat=True), scanned_params)
+    # Scanning reorders float32 sums, so an entry near zero may move by a rounding step of its
+    # leaf's scale (2.4e-7 of 0.0046 on one CPU): the floor grows with each leaf's largest entry.
+    # The key bias has no gradient (softmax ignores a shift shared by a row), hence the 1e-7.
+    for path, ours in jax.tree_util.tree_leaves_with_path(scanned_grads):
+        theirs = np.asarray(functools.reduce(lambda tree, key: tree[key.key], path, plain))
+        floor = 1e-7 + 1e-5 * np.abs(theirs).max()
+        assert_close(ours, theirs, atol=floor, what=f"gradient {jax.tree_util.keystr(path)}")
 
 
 def test_bfloat16_compute_stays_close_to_float32(torch_pair):
