@@ -119,8 +119,10 @@ def time_training(config, steps: int, warmup: int, high: dict) -> dict:
     devices = jax.devices()[:1]
     dp = loop.make_data_parallel(config, task, devices=devices)
     host_batch = _synthetic_batch(task.abstract_batch(config, config.batch_size), high)
-    state = task.create_train_state(jax.random.PRNGKey(config.seed), config, model, host_batch)
-    state = dp.place_state(state)
+    start = time.perf_counter()
+    state = loop.initial_state(task, config, model, host_batch, jax.random.PRNGKey(config.seed))
+    state = jax.block_until_ready(dp.place_state(state))
+    init_seconds = time.perf_counter() - start
     train_step, _ = loop.compile_steps(config, task, model, dp, state)
     batch = dp.shard_batch(host_batch)
     keys = list(jax.random.split(jax.random.PRNGKey(1), warmup + steps))
@@ -153,6 +155,7 @@ def time_training(config, steps: int, warmup: int, high: dict) -> dict:
         "peak_source": utilization.source,
         "mfu": scalars.get("train/mfu"),
         "tflops_per_device": scalars.get("train/tflops_per_device"),
+        "init_seconds": init_seconds,
         "first_step_seconds": first_step_seconds,
         "loss_first": first_loss,
         "loss_last": last_loss,
