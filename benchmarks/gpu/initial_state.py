@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,7 +62,9 @@ def measure(row: str, path: str, dry_run: bool) -> dict:
     leaves = jax.tree.leaves(state)
     return {
         "seconds": seconds,
-        "device": str(device),
+        "device": f"{device} ({device.device_kind})",
+        "jax": jax.__version__,
+        "host_cpus": os.cpu_count(),
         "arrays": len(leaves),
         "parameters": int(sum(x.size for x in jax.tree.leaves(state.params))),
     }
