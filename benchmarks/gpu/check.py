@@ -47,8 +47,9 @@ PARTS = (*WORKER_PARTS, "cuda_tests")
 # Seconds each part may take: about twice what it took on an H200 machine
 # (benchmarks/results/gpu_check_h200.json: vit 77 s, vqgan 94 s, of which 42 s compile the train
 # step and 37 s the autoencoder's initialisation for the GPU, now computed on the host instead,
-# prior_sampling 40 s, attention 35 s, cuda_tests 66 s). The worker's start (imports, the GPU's backend) has its own; TOTAL_SECONDS bounds them
-# all, so that the call with the wheels' install ends inside the device's 10 minutes.
+# prior_sampling 40 s, attention 35 s, cuda_tests 66 s). The worker's start (imports, the GPU's
+# backend) has its own; TOTAL_SECONDS bounds them all, so that the call with the wheels' install
+# ends inside the device's 10 minutes.
 BUDGETS = {"startup": 60, "vit": 150, "vqgan": 190, "prior_sampling": 80, "attention": 75,
            "cuda_tests": 130}  # fmt: skip
 TOTAL_SECONDS = 540
