@@ -35,15 +35,14 @@ def measure(row: str, path: str, dry_run: bool) -> dict:
     from attnjax import tasks
     from attnjax.train import loop
 
-    mode = "dry-run" if dry_run else "gpu"
+    mode = parts._mode(dry_run)
     if row == "prior":
-        config = parts._config("prior_cifar10", parts.PRIOR[mode]["overrides"])
-        config.vqgan_workdir = ""
-        config.vqgan_codes.n_embed, config.vqgan_codes.grid = 1024, (16, 16)
-        batch_size, high = 32, {"codes": 1024, "label": config.num_classes}
+        config, n_embed, _ = parts.prior_config(dry_run)
+        batch_size = parts.PRIOR[mode]["batch"]
+        high = {"codes": n_embed, "label": config.num_classes}
     else:
-        name, sizes = {"vit": ("vit_imagenet", parts.VIT)}.get(
-            row, ("vqgan_imagenet_f16", parts.VQGAN)
+        name, sizes = (
+            ("vit_imagenet", parts.VIT) if row == "vit" else ("vqgan_imagenet_f16", parts.VQGAN)
         )
         config = parts._config(name, sizes[mode]["overrides"])
         batch_size, high = config.batch_size, {"label": config.get("num_classes", 1000)}

@@ -243,18 +243,25 @@ def vqgan(dry_run: bool, emit) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def prior_sampling(dry_run: bool, emit) -> dict:
-    """Tokens per second of ``attnjax.tasks.prior.sample_step`` (the KV-cached sampler of
-    ``attnjax.models.sampling``, as the compile command compiles it) with random weights."""
+def prior_config(dry_run: bool):
+    """``prior_cifar10.py`` (the mode's sizes) over the f16 VQGAN's code space, with no trained
+    VQGAN -> ``(config, n_embed, grid)``."""
     mode = _mode(dry_run)
-    sizes = PRIOR[mode]
     autoencoder = _config("vqgan_imagenet_f16", VQGAN[mode]["overrides"])
     grid = autoencoder.data.image_size // 2 ** (len(autoencoder.model.ddconfig.ch_mult) - 1)
     n_embed = int(autoencoder.model.n_embed)
-    config = _config("prior_cifar10", sizes["overrides"])
+    config = _config("prior_cifar10", PRIOR[mode]["overrides"])
     config.vqgan_workdir = ""  # no trained VQGAN: its code space comes from vqgan_codes
     config.vqgan_codes.n_embed = n_embed
     config.vqgan_codes.grid = (grid, grid)
+    return config, n_embed, grid
+
+
+def prior_sampling(dry_run: bool, emit) -> dict:
+    """Tokens per second of ``attnjax.tasks.prior.sample_step`` (the KV-cached sampler of
+    ``attnjax.models.sampling``, as the compile command compiles it) with random weights."""
+    sizes = PRIOR[_mode(dry_run)]
+    config, n_embed, grid = prior_config(dry_run)
     model = prior_task.create_model(config)
     batch_size, tokens = sizes["batch"], grid * grid
     abstract = prior_task.abstract_batch(config, batch_size)
