@@ -14,6 +14,10 @@ least recently read programs past that, under a file lock, so the processes of a
 and runs side by side share one directory safely. Programs that compile in under
 ``MIN_COMPILE_SECONDS`` are not written: reading them back would save nothing.
 
+JAX writes a program's entry, then the file of its last use, and its eviction reads the second of
+every entry: a process killed between the two (a preempted run) leaves an entry whose use file is
+missing, after which every write to the directory fails. ``enable()`` removes such entries first.
+
 ``counts()`` says how many programs came from the cache and how many were compiled; the training
 loop logs it with the time of the first step.
 """
@@ -24,6 +28,7 @@ import os
 import pathlib
 import time
 
+import filelock
 import jax
 from absl import logging
 
@@ -62,11 +67,35 @@ def enable() -> str | None:
         logging.warning("no compilation cache: %s: %s", directory, error.strerror)
         return None
     max_gb = float(os.environ.get(ENV_MAX_GB, DEFAULT_MAX_GB))
+    removed = remove_interrupted_entries(directory)
+    if removed:
+        logging.warning(
+            "compilation cache %s: removed %d %s a killed process left unfinished: %s",
+            directory,
+            len(removed),
+            "entry" if len(removed) == 1 else "entries",
+            ", ".join(removed[:3]) + (", ..." if len(removed) > 3 else ""),
+        )
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_compilation_cache_max_size", int(max_gb * 2**30))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return str(directory)
+
+
+def remove_interrupted_entries(directory: pathlib.Path) -> list[str]:
+    """Deletes the entries of ``directory`` that have no last-use file (JAX's ``<key>-cache``
+    without its ``<key>-atime``: the writer was killed in between, perhaps in the middle of the
+    entry itself) -> their names. Under JAX's own lock, so no other process is between its two
+    writes meanwhile."""
+    with filelock.FileLock(directory / ".lockfile", timeout=60):
+        used = {path.name[: -len("-atime")] for path in directory.glob("*-atime")}
+        removed = []
+        for entry in sorted(directory.glob("*-cache")):
+            if entry.name[: -len("-cache")] not in used:
+                entry.unlink(missing_ok=True)
+                removed.append(entry.name)
+    return removed
 
 
 def counts() -> dict:

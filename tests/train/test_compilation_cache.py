@@ -1,6 +1,7 @@
 """attnjax.train.compilation_cache: a second run reads its compiled programs from disk and says so;
 the user's own cache and the switch are respected."""
 
+import json
 import os
 import pathlib
 import re
@@ -72,3 +73,59 @@ def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_compilation_cache_dir", suites)
         jax.config.update("jax_compilation_cache_max_size", -1)
+
+
+PROGRAMS = """
+import json, warnings
+import jax, jax.numpy as jnp
+from attnjax.train import compilation_cache
+compilation_cache.enable()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for n in (8, 16):
+        jax.jit(lambda x: jnp.sin(x) @ jnp.cos(x).T)(jnp.ones((n, n))).block_until_ready()
+warned = [str(w.message) for w in caught]
+print(json.dumps({"counts": compilation_cache.counts(), "warnings": warned}))
+"""
+
+
+def _compile_two_programs(cache):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(
+        {compilation_cache.ENV_DIR: str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", PROGRAMS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+def test_an_entry_a_killed_process_left_unfinished_is_removed_and_the_cache_writes_again(tmp_path):
+    """JAX writes an entry, then its last-use file; killed in between (or inside the entry), the
+    directory holds an entry without one, and every later write fails on it ("Error writing
+    persistent compilation cache entry ... -atime"). Here: a real entry cut to half its bytes and
+    its last-use file gone, as a kill -9 inside the write leaves them."""
+    cache = tmp_path / "cache"
+    first, _ = _compile_two_programs(cache)
+    assert first["warnings"] == [] and first["counts"]["hits"] == 0
+    entries = sorted(cache.glob("jit__lambda-*-cache"))
+    assert len(entries) == 2
+    cut = entries[0]
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    pathlib.Path(str(cut)[: -len("-cache")] + "-atime").unlink()
+
+    second, log = _compile_two_programs(cache)
+    assert second["warnings"] == []
+    assert f"removed 1 entry a killed process left unfinished: {cut.name}" in log
+    # The intact program is read; the cut one compiled again and written whole, with its use file.
+    assert second["counts"]["hits"] >= 1 and second["counts"]["misses"] >= 1
+    assert sorted(cache.glob("jit__lambda-*-cache")) == entries
+    assert cut.stat().st_size > 0 and pathlib.Path(str(cut)[: -len("-cache")] + "-atime").exists()
+    third, _ = _compile_two_programs(cache)
+    assert third["warnings"] == [] and third["counts"]["misses"] == 0
