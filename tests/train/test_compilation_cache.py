@@ -20,24 +20,32 @@ FIRST_STEP = re.compile(
 )
 
 
-def _train(workdir, digits_dir, cache):
-    # Not the suite's cache (conftest.py names it in the environment): this test's own, empty.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env[compilation_cache.ENV_DIR] = str(cache)
+def _run_with_own_cache(argv, cache, timeout, **env):
+    """``python ARGV`` with ``cache`` as attnjax's compilation cache: not the suite's (conftest.py
+    names that one in the environment), this test's own."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")},
+        compilation_cache.ENV_DIR: str(cache),
+        **env,
+    }
     run = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+def _train(workdir, digits_dir, cache):
+    run = _run_with_own_cache(
         [
-            *(sys.executable, "train.py", "--config", "configs/vit_digits.py"),
+            *("train.py", "--config", "configs/vit_digits.py"),
             *("--workdir", str(workdir), f"--config.data.data_dir={digits_dir}"),
             *tiny_vit_flags(),
             *("--config.num_train_steps=2", "--config.eval_every=2", "--config.log_every=2"),
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+        cache,
         timeout=300,
     )
-    assert run.returncode == 0, run.stderr[-2000:]
     (match,) = FIRST_STEP.findall(run.stdout + run.stderr)
     seconds, hits, directory, saved, written = match
     assert directory == str(cache)
@@ -90,19 +98,9 @@ print(json.dumps({"counts": compilation_cache.counts(), "warnings": warned}))
 
 
 def _compile_two_programs(cache):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env.update(
-        {compilation_cache.ENV_DIR: str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    run = _run_with_own_cache(
+        ["-c", PROGRAMS], cache, timeout=120, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", PROGRAMS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
