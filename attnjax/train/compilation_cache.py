@@ -40,6 +40,9 @@ OFF = ("0", "off", "false", "no")
 # executable); the digits tasks' train and eval steps take 1-10 s on a CPU, single operations
 # run outside jit 0.01-0.05 s.
 MIN_COMPILE_SECONDS = 0.2
+# How long enable() waits for JAX's lock on the directory before starting without the check; JAX
+# itself gives up on a write after 10 s.
+LOCK_WAIT_SECONDS = 30.0
 
 _counts = {"hits": 0, "misses": 0, "saved_seconds": 0.0}
 _listening = False
@@ -67,7 +70,11 @@ def enable() -> str | None:
         logging.warning("no compilation cache: %s: %s", directory, error.strerror)
         return None
     max_gb = float(os.environ.get(ENV_MAX_GB, DEFAULT_MAX_GB))
-    removed = remove_interrupted_entries(directory)
+    try:
+        removed = remove_interrupted_entries(directory)
+    except OSError as error:  # the lock held past the wait (filelock.Timeout), or not writable
+        logging.warning("compilation cache %s: entries not checked: %s", directory, error)
+        removed = []
     if removed:
         logging.warning(
             "compilation cache %s: removed %d %s a killed process left unfinished: %s",
@@ -88,7 +95,7 @@ def remove_interrupted_entries(directory: pathlib.Path) -> list[str]:
     without its ``<key>-atime``: the writer was killed in between, perhaps in the middle of the
     entry itself) -> their names. Under JAX's own lock, so no other process is between its two
     writes meanwhile."""
-    with filelock.FileLock(directory / ".lockfile", timeout=60):
+    with filelock.FileLock(directory / ".lockfile", timeout=LOCK_WAIT_SECONDS):
         used = {path.name[: -len("-atime")] for path in directory.glob("*-atime")}
         removed = []
         for entry in sorted(directory.glob("*-cache")):

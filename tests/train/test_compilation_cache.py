@@ -66,7 +66,15 @@ def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     assert hits >= 2
 
 
-def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch):
+HOLD_LOCK = """
+import sys, time, filelock
+with filelock.FileLock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch, caplog):
     suites = jax.config.jax_compilation_cache_dir  # conftest.py's, as a user's own would be
     assert suites and compilation_cache.enable() == suites
     try:
@@ -78,6 +86,24 @@ def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch):
         monkeypatch.delenv(compilation_cache.ENV_DIR)
         assert compilation_cache.enable() == str(tmp_path / "attnjax" / "jax")
         assert jax.config.jax_compilation_cache_max_size == 4 * 2**30
+        # Another process holding JAX's lock on the directory past the wait: the command starts,
+        # the entries unchecked.
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setattr(compilation_cache, "LOCK_WAIT_SECONDS", 0.2)
+        directory = tmp_path / "attnjax" / "jax"
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(directory / ".lockfile")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            with caplog.at_level("WARNING"):
+                assert compilation_cache.enable() == str(directory)
+            assert f"compilation cache {directory}: entries not checked" in caplog.text
+        finally:
+            holder.kill()
+            holder.wait()
     finally:
         jax.config.update("jax_compilation_cache_dir", suites)
         jax.config.update("jax_compilation_cache_max_size", -1)
