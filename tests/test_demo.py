@@ -6,6 +6,7 @@ import pytest
 from helpers import load_config, tiny_vit
 
 import demo
+from attnjax.ops import autotune
 from attnjax.train import checkpoint
 
 
@@ -130,3 +131,13 @@ def test_domain_fids_are_pytorch_fids_distance_on_the_vits_pre_logits(trained_ru
         assert fids[name]["n"] == count and fids[name]["n_reference"] == len(test_digits)
         assert fids[name]["fid"] == pytest.approx(reference, rel=1e-3), name
     assert fids["samples"]["fid"] > fids["train_digits"]["fid"], "noise is farther than digits"
+
+
+def test_the_kernel_choices_are_fixed_unless_the_user_asks_for_timing(monkeypatch):
+    monkeypatch.delenv(autotune.ENV_SWITCH, raising=False)
+    assert autotune.enabled()
+    demo.fixed_kernel_choices()
+    assert not autotune.enabled()
+    monkeypatch.setenv(autotune.ENV_SWITCH, "always")
+    demo.fixed_kernel_choices()
+    assert autotune.enabled() and autotune.times_everywhere()
