@@ -279,9 +279,9 @@ def format_summary(summary: dict) -> str:
 def fixed_kernel_choices() -> None:
     """The CPU kernel choices at their fixed defaults, unless ``$ATTNJAX_CPU_AUTOTUNE`` says
     otherwise: the paths compute the same values to float32 rounding, but a thousand training
-    steps carry the difference into the table (the VQGAN's held-out PSNR 24.87 dB with XLA's
-    attention, 24.93 dB with the blocked one, which its first step's timing picks on some runs by
-    a few percent), and the table is to read the same on every machine."""
+    steps carry the difference into the table, and a first step's timing picks between paths a
+    few percent apart differently from run to run; the table is to read the same on every run
+    (docs/demo.md)."""
     os.environ.setdefault(autotune.ENV_SWITCH, "0")
 
 
