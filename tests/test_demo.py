@@ -134,6 +134,8 @@ def test_domain_fids_are_pytorch_fids_distance_on_the_vits_pre_logits(trained_ru
 
 
 def test_the_kernel_choices_are_fixed_unless_the_user_asks_for_timing(monkeypatch):
+    # As in a fresh process: other tests of this worker may have set the switch for theirs.
+    monkeypatch.setattr(autotune, "_enabled", None)
     monkeypatch.delenv(autotune.ENV_SWITCH, raising=False)
     assert autotune.enabled()
     demo.fixed_kernel_choices()
