@@ -96,10 +96,10 @@ def remove_interrupted_entries(directory: pathlib.Path) -> list[str]:
     entry itself) -> their names. Under JAX's own lock, so no other process is between its two
     writes meanwhile."""
     with filelock.FileLock(directory / ".lockfile", timeout=LOCK_WAIT_SECONDS):
-        used = {path.name[: -len("-atime")] for path in directory.glob("*-atime")}
+        used = {path.name.removesuffix("-atime") for path in directory.glob("*-atime")}
         removed = []
         for entry in sorted(directory.glob("*-cache")):
-            if entry.name[: -len("-cache")] not in used:
+            if entry.name.removesuffix("-cache") not in used:
                 entry.unlink(missing_ok=True)
                 removed.append(entry.name)
     return removed
