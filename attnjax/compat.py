@@ -33,3 +33,30 @@ def persistent_cache_reloads_compile_only_programs() -> bool:
     refuses each entry with a warning ("PjRtCompiler must be constructed with a Client"), so
     the compile command keeps the cache off there. 0.11 is taken as 0.12 (not measured)."""
     return _version("jaxlib") < (0, 11)
+
+
+def xla_cpu_speed_flags() -> list[str]:
+    """The XLA:CPU flags that make attnjax's operations fastest on this jaxlib (applied by
+    ``attnjax.xla_cpu``; measured per operation family in benchmarks/results/xla_cpu_flags.md).
+
+    From jaxlib 0.9.1 XLA:CPU hands f32 NHWC convolutions, elementwise fusions, reductions and
+    some matrix products to YNNPACK. Keeping only the reductions there was fastest or within the
+    noise in every family on both ends of the supported range: on jaxlib 0.10.2 YNNPACK's
+    convolutions run on one thread (a VQGAN-sized layer with both gradients 39.5 ms against
+    24.2 ms, 2-core EPYC) while its reductions are 4x XLA's own; on 0.12.0.1 its convolutions
+    are threaded but no faster (21.9 against 21.3 ms). The flag exists on every jaxlib the range
+    admits (pyproject.toml: from 0.10.2)."""
+    return ["--xla_cpu_experimental_ynn_fusion_type=reduce"]
+
+
+def xla_backends_started() -> bool:
+    """Whether this process has started an XLA backend (after which ``$XLA_FLAGS`` is not read
+    again). Imports jax: call it only where jax is imported already."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def version(package: str) -> str:
+    """The installed version of ``package``, as its metadata says."""
+    return importlib.metadata.version(package)

@@ -156,6 +156,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             state = _create_train_state(config, task, model, datasets, dp, init_rng)
         if is_main:
             checkpoint.write_config(workdir, config)
+            report.record_environment(workdir, start)
         _log_setup(config, datasets, dp)
         if dp.mode == "pmap":
             state = dp.place_state(state)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import json
 import os
 
+from attnjax import xla_cpu
 from attnjax.data import images
+from attnjax.ops.platform import processor
 from attnjax.train import events
 
 
@@ -78,6 +82,23 @@ def read_metrics(workdir: str) -> list[dict]:
                 kind = tuple(sorted({key.split("/")[0] for key in record if "/" in key}))
                 latest[(record["step"], kind)] = record
     return sorted(latest.values(), key=lambda record: record["step"])
+
+
+def record_environment(workdir: str, step: int) -> dict:
+    """Appends what this start of the run computes with (processor, JAX versions, the XLA flags
+    in effect) to ``workdir/environment.jsonl``, a line per start, so that the figures of a
+    resumed run can be traced to each process that made them -> the record."""
+    record = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "step": int(step),
+        "processor": processor(),
+        "jax": importlib.metadata.version("jax"),
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "xla_flags": xla_cpu.in_effect(),
+    }
+    with open(os.path.join(workdir, "environment.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
 
 
 def format_table(step: int, metrics: dict) -> str:

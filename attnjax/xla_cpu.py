@@ -1,0 +1,58 @@
+"""XLA:CPU set up for speed, in one place: the flags every attnjax command and library import
+hands XLA before its backend starts.
+
+Importing ``attnjax`` calls ``configure()``: the flags ``compat.xla_cpu_speed_flags()`` picks for
+the installed jaxlib are added to ``$XLA_FLAGS``, except any the user's own ``$XLA_FLAGS`` sets
+already (theirs wins), and none at all with ``ATTNJAX_XLA_CPU_FLAGS=0`` (XLA's own defaults, to
+measure them). XLA reads ``$XLA_FLAGS`` once, when its first backend starts: a process that
+used a device before importing attnjax keeps the flags it started with. The measurements behind
+each flag, per operation family and jaxlib: benchmarks/results/xla_cpu_flags.md
+(``benchmarks/xla_cpu_flags.py``).
+
+This module reads versions from package metadata and never imports jax, so that it can run
+before jax does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from attnjax import compat
+
+SWITCH = "ATTNJAX_XLA_CPU_FLAGS"
+
+
+def _name(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def merged(xla_flags: str, flags: list[str]) -> str:
+    """``xla_flags`` with each of ``flags`` appended whose name it does not set already."""
+    given = {_name(flag) for flag in xla_flags.split()}
+    return " ".join([*xla_flags.split(), *(f for f in flags if _name(f) not in given)])
+
+
+def configure() -> list[str]:
+    """Adds attnjax's XLA:CPU flags to ``$XLA_FLAGS`` -> the flags added (``[]`` where the switch
+    is off, the user set each one, or a backend is running already)."""
+    if os.environ.get(SWITCH, "1") == "0" or _backend_started():
+        return []
+    before = os.environ.get("XLA_FLAGS", "")
+    after = merged(before, compat.xla_cpu_speed_flags())
+    os.environ["XLA_FLAGS"] = after
+    return after.split()[len(before.split()) :]
+
+
+def in_effect() -> str:
+    """The ``$XLA_FLAGS`` XLA read when its backend started (what a run's log records), provided
+    nothing changed the variable since."""
+    return os.environ.get("XLA_FLAGS", "")
+
+
+def _backend_started() -> bool:
+    """Whether this process started an XLA backend already (jax imported and a device used):
+    flags set now would be ignored, and the log would then name flags XLA never read."""
+    if "jax" not in sys.modules:
+        return False
+    return compat.xla_backends_started()
