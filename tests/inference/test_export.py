@@ -118,8 +118,14 @@ def test_loader_runs_without_the_model_code(trained_runs, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    # attnjax.inference holds only a docstring: nothing is loaded but the loader itself.
-    expected_modules = ["attnjax.inference", "attnjax.inference.export"]
+    # attnjax.inference holds only a docstring: nothing is loaded but the loader itself and the
+    # XLA flags the package sets on import (attnjax.xla_cpu, with the versions it reads).
+    expected_modules = [
+        "attnjax.compat",
+        "attnjax.inference",
+        "attnjax.inference.export",
+        "attnjax.xla_cpu",
+    ]
     assert loaded["modules"] == expected_modules, loaded["modules"]
     _, predict = classification.make_predict(trained_runs["vit"])
     assert_close(
