@@ -42,9 +42,9 @@ def xla_cpu_speed_flags() -> list[str]:
     From jaxlib 0.9.1 XLA:CPU hands f32 NHWC convolutions, elementwise fusions, reductions and
     some matrix products to YNNPACK. Keeping only the reductions there was fastest or within the
     noise in every family on both ends of the supported range: on jaxlib 0.10.2 YNNPACK's
-    convolutions run on one thread (a VQGAN-sized layer with both gradients 39.5 ms against
-    24.2 ms, 2-core EPYC) while its reductions are 4x XLA's own; on 0.12.0.1 its convolutions
-    are threaded but no faster (21.9 against 21.3 ms). The flag exists on every jaxlib the range
+    convolutions run on one thread (a VQGAN-sized layer with both gradients 40.6 ms against
+    23.1 ms, 2-core EPYC) while its reductions are 4x XLA's own; on 0.12.0.1 its convolutions
+    are threaded but no faster (21.9 against 21.2 ms). The flag exists on every jaxlib the range
     admits (pyproject.toml: from 0.10.2)."""
     return ["--xla_cpu_experimental_ynn_fusion_type=reduce"]
 

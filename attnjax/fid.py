@@ -122,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _use_every_core() -> None:
-    # XLA:CPU runs each convolution on one thread: one CPU device per core splits the batch.
+    # One CPU device per core splits the batch: faster than one device for convolutional models
+    # (benchmarks/results/xla_cpu_flags.md).
     from attnjax.ops.platform import cpu_cores
     from attnjax.train import parallel
 

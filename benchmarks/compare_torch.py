@@ -65,6 +65,7 @@ def machine() -> dict:
         "jax_backend": jax.default_backend(),
         "jax_device": jax.devices()[0].device_kind,
         "jax_device_count": jax.device_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "torch": torch.__version__,
         "torch_device": device() if device() == "cpu" else torch.cuda.get_device_name(),
     }

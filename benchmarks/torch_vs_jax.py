@@ -122,7 +122,7 @@ def add_cpu_devices_flag(parser):
 
 def use_devices(cpu_devices: int):
     """Before anything touches a JAX device: ``cpu_devices`` XLA:CPU devices (0: one per core),
-    as train.py gives itself (attnjax.train.parallel: XLA:CPU runs a convolution on one thread);
+    as train.py gives itself (attnjax.train.parallel.use_cpu_cores);
     torch on CUDA when JAX runs on a GPU."""
     if cpu_devices < 0:
         raise ValueError(f"--cpu-devices={cpu_devices} must be >= 0 (0: one per core)")

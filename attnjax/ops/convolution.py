@@ -17,7 +17,8 @@ small, and their gradient is slices and pads, with no convolution left for XLA t
 
 From 16x16 output maps and 64 x 64 channels, on XLA:CPU with fewer devices than cores, the
 kernel gradient can instead be taken as ``kh * kw`` matrix products (threaded, where XLA's
-convolutions run on one thread), the forward pass and the input gradient staying on
+convolutions ran on one thread before ``attnjax.xla_cpu``'s flags), the forward pass and the
+input gradient staying on
 ``lax.conv_general_dilated``::
 
     d_rhs[di, dj] = padded_lhs[:, di::sh, dj::sw, :] (first h' x w' positions)^T @ d_out

@@ -179,10 +179,9 @@ def use_cpu_cores(*configs) -> int | None:
     largest) -> that count, or ``None`` where ``set_cpu_devices`` left it alone (every device is
     then used). Call before any device is used.
 
-    XLA:CPU runs each convolution on one thread, so a convolutional model on one device leaves
-    cores idle; with its batch split over one CPU device per core every core works. Matrix
-    products are threaded already, so a transformer gains little from the split
-    (benchmarks/results/cpu_devices.md).
+    One device per core was faster than one device on every CPU training step measured, with
+    XLA's convolutions threaded (attnjax.xla_cpu's flags) or not: VQGAN 899 against 923 ms, GPT
+    1661 against 1925 ms (benchmarks/results/xla_cpu_flags.md, benchmarks/results/cpu_devices.md).
     """
     global _chosen_cpu_devices
     wanted = max(cpu_devices_wanted(config) for config in configs)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow_datasets as tfds
 from helpers import assert_close, load_config, tiny_vit, tiny_vit_config, tiny_vqgan_config
 
-from attnjax import data
+from attnjax import compat, data
 from attnjax.tasks import classification, get_task, train_and_evaluate
 from attnjax.train import loop, report
 
@@ -54,6 +54,11 @@ def test_run_writes_metrics_plots_events_and_checkpoints(short_run):
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
     assert glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*", "*.xplane.pb"))
+    (start,) = [json.loads(line) for line in open(os.path.join(workdir, "environment.jsonl"))]
+    assert start["step"] == 0 and start["jax"] == jax.__version__
+    # What XLA read: the suite's flags (conftest) after those importing attnjax set.
+    assert start["xla_flags"] == os.environ["XLA_FLAGS"]
+    assert set(compat.xla_cpu_speed_flags()) <= set(start["xla_flags"].split())
 
 
 @pytest.mark.xdist_group("short_run")  # trained once, on one worker
