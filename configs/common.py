@@ -74,6 +74,7 @@ def image_data(name: str, *, mean, std) -> ml_collections.ConfigDict:
     data.holdout_fraction = 0.1
     data.holdout_seed = 0
     data.skip_unreadable = False  # True: leave out (and count) files that do not decode
+    data.class_names = ()  # label i's name; image files: their class folders, filled in
     # grain's threads and worker processes that read, decode and crop (attnjax.data.make_iterator)
     data.read_threads = 0
     data.worker_count = 0

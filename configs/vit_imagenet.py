@@ -4,12 +4,13 @@
         --config.init_from=/path/to/vit_b16_in21k.npz
 ImageNet-2012 must be prepared as array_record (manual download; needs TensorFlow).
 
-``init_from``: a Google ViT .npz (e.g. the ImageNet-21k ``augreg`` checkpoints) or a flat .npz of
-attnjax params (e.g. a timm model converted with ``attnjax.convert.timm``). Recipe: the ViT
-paper's fine-tuning setup (Dosovitskiy et al. 2021, appendix B.1.1): SGD with momentum 0.9, no
-weight decay, global-norm clipping at 1, batch 512, cosine decay with a short warmup, 20k steps,
-learning rate from {0.003, 0.01, 0.03, 0.06} (0.03 here), higher resolution (384) than
-pre-training with the position table resized (bicubic) to the 24x24 grid.
+``init_from``: a Google ViT .npz (e.g. the ImageNet-21k ``augreg`` checkpoints), a flat .npz of
+attnjax params (a timm file converted by ``python -m attnjax.convert.vit_checkpoint``), or the
+timm ``.pth``/``.safetensors`` itself. Recipe: the ViT paper's fine-tuning setup (Dosovitskiy et
+al. 2021, appendix B.1.1): SGD with momentum 0.9, no weight decay, global-norm clipping at 1,
+batch 512, cosine decay with a short warmup, 20k steps, learning rate from {0.003, 0.01, 0.03,
+0.06} (0.03 here), higher resolution (384) than pre-training with the position table resized
+(bicubic) to the 24x24 grid.
 """
 
 from configs import common

@@ -9,6 +9,8 @@ and only inside functions (torch is a development extra).
 - ``timm``: timm's ``VisionTransformer`` <-> ``vit.ViT`` (``vit_to_timm``), and the reference
   PyTorch ViT layout -> ``vit.ViT``.
 - ``google_npz``: Google ViT ``.npz`` checkpoints, read and written with numpy alone.
+- ``vit_checkpoint``: a timm or Google ViT file -> the ``.npz`` ``config.init_from`` reads, its
+  model config and preprocessing recorded (``python -m attnjax.convert.vit_checkpoint``).
 - ``taming``: taming-transformers' ``VQModel``, ``NLayerDiscriminator`` and minGPT; ``VQModel`` and
   minGPT ``.safetensors`` exports.
 - ``lpips``: torchvision VGG16 + ``lpips`` linear layers, with a command line that writes the

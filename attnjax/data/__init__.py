@@ -20,7 +20,7 @@ from attnjax.data.pipeline import (
     process_batches,
     records_in_memory,
 )
-from attnjax.data.sources import num_classes, unreadable_count, unreadable_metrics
+from attnjax.data.sources import class_names, num_classes, unreadable_count, unreadable_metrics
 from attnjax.data.transforms import denormalize, normalize, random_crop_flip, resize
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "EMBEDDED_BUILDERS",
     "Datasets",
     "Digits",
+    "class_names",
     "default_data_dir",
     "denormalize",
     "eval_images",

@@ -54,6 +54,18 @@ def _image_names(directory: str) -> list[str]:
     return names
 
 
+def images_below(directory: str) -> list[str]:
+    """The image files below ``directory`` (any depth, hidden folders passed over) as paths
+    relative to it, sorted by path; a one-line ``ValueError`` when it is no folder or has none."""
+    directory = os.path.expanduser(directory)
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r}: no such folder; expected a folder of images")
+    names = sorted(_image_names(directory))
+    if not names:
+        raise ValueError(_no_images(directory))
+    return names
+
+
 def _in_name_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda name: (name.rsplit("/", 1)[-1], name))
 

@@ -95,6 +95,14 @@ def num_classes(data) -> int:
     return len(split_lists(data)[data.train_split].classes)
 
 
+def class_names(data) -> tuple[str, ...]:
+    """The class names of ``config.data``'s image files, label ``i`` the ``i``-th; ``()`` for a
+    TFDS dataset or unlabelled files."""
+    if not file_kind(data.name):
+        return ()
+    return split_lists(data)[data.train_split].classes
+
+
 def unreadable_count(data) -> int:
     """Files left out by ``config.data.skip_unreadable`` (or by prepare's), in both splits; 0
     for TFDS datasets."""

@@ -3,8 +3,9 @@
 Batches: ``{"image": float32 [batch, H, W, C], "label": int32 [batch]}`` (+ ``"mask"`` at eval).
 Config: ``model_name`` ("vit"), ``model`` (kwargs of ``attnjax.models.vit.create_vit``, ``variant``
 for a named variant), ``compute_dtype`` ("float32" or "bfloat16" activations), ``init_from``
-(optional pretrained params, see ``load_pretrained``), ``label_smoothing``, and the optimiser
-fields of ``attnjax.train.optim``.
+(optional pretrained params, see ``load_pretrained``) and ``init_head``, ``label_smoothing``, and
+the optimiser fields of ``attnjax.train.optim``. A run of image files records its class names in
+``config.data.class_names`` (so in ``config.json``): label ``i`` is the ``i``-th.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import optax
 from absl import logging
 
 from attnjax import data
+from attnjax.convert import vit_checkpoint
 from attnjax.data.images import save_labelled_grid
 from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
@@ -56,8 +58,12 @@ def create_model(config) -> nn.Module:
 
 
 def complete_config(config) -> None:
-    """``config.model.num_classes = 0``: the classes of ``config.data``'s image files (their
-    class folders), written into the config."""
+    """Image files: their class names (class folders, sorted) into ``config.data.class_names``,
+    and their count into ``config.model.num_classes`` where that is 0."""
+    names = data.class_names(config.data)
+    if names:
+        with config.data.unlocked():  # train.py's config is locked, and older ones lack the field
+            config.data.class_names = tuple(names)
     if config.model.get("num_classes", None) != 0:
         return
     classes = data.num_classes(config.data)
@@ -79,10 +85,13 @@ def label_smoothed_cross_entropy(logits, labels, label_smoothing: float = 0.0):
     return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
 
 
-def _read_params_npz(path: str, model) -> dict:
-    """Flat ``{"a/b/kernel": array}`` of attnjax ViT params from either ``.npz`` layout."""
-    with np.load(path) as npz:
-        flat = dict(npz)
+def _read_params(path: str, model) -> dict:
+    """Flat ``{"a/b/kernel": array}`` of attnjax ViT params from a timm state-dict file or either
+    ``.npz`` layout."""
+    if path.endswith(vit_checkpoint.STATE_DICT_SUFFIXES):
+        return vit_checkpoint.read_params(path, model.num_heads)
+    with np.load(path, allow_pickle=False) as npz:
+        flat = {k: npz[k] for k in npz.files if k != vit_checkpoint.METADATA}
     if any(k == "embedding/kernel" or k.endswith("/embedding/kernel") for k in flat):
         # A Google (big_vision / original ViT) checkpoint: convert its names first, with the
         # numpy-only reader (imported here: most runs never read one).
@@ -125,19 +134,25 @@ def load_pretrained(config, model, params):
 
     ``init_from`` is an ``.npz`` either of attnjax params flattened with "/"-joined keys
     (``pos_embed/pos_embedding``, ``blocks_0/attn/query/kernel``, ...; what
-    ``np.savez(path, **flax.traverse_util.flatten_dict(params, sep="/"))`` writes, e.g. after a
-    timm conversion in ``attnjax.convert.timm``), or a Google ViT checkpoint. The head stays
-    freshly initialised (new classes); a position table of another grid size or prefix-token
-    count is fitted by ``_adapt_position_table``. Any other missing or mismatched
-    parameter is an error (a silent partial load would train from scratch unnoticed).
+    ``python -m attnjax.convert.vit_checkpoint`` writes), a Google ViT checkpoint, or a timm
+    state dict (``.pth``/``.pt``/``.bin``/``.safetensors``, converted on the way). The head
+    stays freshly initialised (new classes) unless ``config.init_head`` is True and the
+    checkpoint's head has the model's shape (timm's rule: the same class count); a position
+    table of another grid size or prefix-token count is fitted by ``_adapt_position_table``.
+    Any other missing or mismatched parameter is an error (a silent partial load would train
+    from scratch unnoticed).
     """
     path = config.get("init_from", "")
     if not path:
         return params
     if not os.path.exists(path):
         raise FileNotFoundError(f"config.init_from={path!r} does not exist.")
-    flat_old = _read_params_npz(path, model)
+    flat_old = _read_params(path, model)
     flat_new = flax.traverse_util.flatten_dict(flax.core.unfreeze(params), sep="/")
+    head = [k for k in flat_new if k.startswith("head/")]
+    keep_head = bool(config.get("init_head", False)) and all(
+        k in flat_old and np.shape(flat_old[k]) == flat_new[k].shape for k in head
+    )
     missing = sorted(k for k in flat_new if k not in flat_old and not k.startswith("head/"))
     if missing:
         raise ValueError(
@@ -145,7 +160,7 @@ def load_pretrained(config, model, params):
             f"model, e.g. {missing[:4]}; is it the same architecture?"
         )
     for key, value in flat_new.items():
-        if key.startswith("head/"):
+        if key.startswith("head/") and not keep_head:
             continue
         old = np.asarray(flat_old[key])
         if old.shape != value.shape and key.endswith("pos_embedding"):
@@ -157,7 +172,12 @@ def load_pretrained(config, model, params):
                 f"config.init_from: {key} has shape {old.shape}, the model expects {value.shape}."
             )
         flat_new[key] = old.astype(value.dtype)
-    logging.info("init_from %s: loaded %d arrays, fresh head", path, len(flat_new))
+    logging.info(
+        "init_from %s: loaded %d arrays, %s head",
+        path,
+        len(flat_new) - (0 if keep_head else len(head)),
+        "its" if keep_head else "a fresh",
+    )
     return flax.traverse_util.unflatten_dict(flat_new, sep="/")
 
 

@@ -44,16 +44,10 @@ from attnjax.train import (
     workdir_lock,
 )
 
-# Config fields every run needs; the counts and sizes among them must be positive.
-POSITIVE_FIELDS = (
-    "num_train_steps",
-    "batch_size",
-    "log_every",
-    "eval_every",
-    "checkpoint_every",
-    "max_to_keep",
-)
-LOOP_FIELDS = ("task", "seed", *POSITIVE_FIELDS)
+# Config fields every run needs; the counts and sizes among them must be positive, except the
+# steps: 0 trains nothing and saves the initial state (a pretrained model, used as it is).
+POSITIVE_FIELDS = ("batch_size", "log_every", "eval_every", "checkpoint_every", "max_to_keep")
+LOOP_FIELDS = ("task", "seed", "num_train_steps", *POSITIVE_FIELDS)
 
 
 def _check_loop_fields(config) -> None:
@@ -63,6 +57,11 @@ def _check_loop_fields(config) -> None:
     for key in POSITIVE_FIELDS:
         if int(config[key]) < 1:
             raise ValueError(f"config.{key}={config[key]!r} must be a positive integer.")
+    if int(config.num_train_steps) < 0:
+        raise ValueError(
+            f"config.num_train_steps={config.num_train_steps!r} must be >= 0 (0: save the "
+            "initial state)."
+        )
     nonfinite.check_config(config)
     watchdog.settings(config)
     parallel.cpu_devices_wanted(config)  # rejects a negative config.cpu_devices
@@ -152,14 +151,18 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         stack.callback(progress.enter, "save")  # the wait for the pending writes
         train_iter = data.make_iterator(datasets.train, config.get("data"))
         start, state = _restore(ckpt, state, train_iter, workdir)
-        if resuming and not start:  # its steps went between the look and the restore
+        if resuming and start is None:  # its steps went between the look and the restore
             state = _create_train_state(config, task, model, datasets, dp, init_rng)
+        saves_initial = start is None and config.num_train_steps == 0
+        start = start or 0
         if is_main:
             checkpoint.write_config(workdir, config)
             report.record_environment(workdir, start)
         _log_setup(config, datasets, dp)
         if dp.mode == "pmap":
             state = dp.place_state(state)
+        if saves_initial:
+            ckpt.save(0, dp.checkpointable(state), train_iter.get_state())
         train_step, eval_step = compile_steps(config, task, model, dp, state)
         batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
@@ -278,13 +281,13 @@ def abstract_train_state(config, task, model, example, rng):
     )
 
 
-def _restore(ckpt, state, train_iter, workdir) -> tuple[int, Any]:
+def _restore(ckpt, state, train_iter, workdir) -> tuple[int | None, Any]:
     """The newest intact checkpoint, ``train_iter`` set to its position -> ``(step, state)``;
-    ``(0, state)`` on a fresh start."""
+    ``(None, state)`` on a fresh start."""
     start, state = ckpt.restore_intact(state, train_iter)
     if start is not None:
         logging.info("resumed from %s at step %d", workdir, start)
-    return start or 0, state
+    return start, state
 
 
 def _log_setup(config, datasets, dp) -> None:

@@ -149,7 +149,7 @@ BAD = [
     ("parallel", "spmd", r"config.parallel='spmd'"),
     ("data.name", "no_such_dataset", r"config.data.name='no_such_dataset'"),
     ("model.width", 32, r"different model.*config.model"),
-    ("num_train_steps", 0, r"config.num_train_steps=0"),
+    ("num_train_steps", -1, r"config.num_train_steps=-1"),
     ("cpu_devices", -1, r"config.cpu_devices=-1 must be >= 0"),
 ]
 

@@ -1,0 +1,216 @@
+"""Run a trained classifier over a folder of images and write its top classes as a CSV.
+
+    python -m attnjax.inference.predict --workdir runs/vit_folder folder:/path/to/photos \\
+        --out predictions.csv [--top-k 5] [--batch-size 64] [--on-bad-file skip|stop]
+
+One row per image file below the folder (any depth, sorted by path): ``file`` (its path below the
+folder), then ``label`` and ``probability`` of the top class, then ``label_2, probability_2``, ...
+up to ``--top-k``. Labels are the run's class names (``config.data.class_names``: the class
+folders it trained on), the TFDS label names, or else the class indices. Each image goes through
+the run's own evaluation preprocessing (``attnjax.data``: decoding, ``config.data.eval_crop``,
+normalisation), in batches of ``--batch-size`` through one compiled program.
+
+A file that does not decode is reported on stderr in one line and skipped (``--on-bad-file
+skip``, the default), or stops the command with status 1 (``stop``). The CSV is written under a
+temporary name and renamed when complete, so a stopped command leaves none; an existing
+``--out`` is kept unless ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import csv
+import os
+import sys
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from attnjax import data
+from attnjax.data import folder, preprocess, sources
+from attnjax.data.files import FileSource, ImageList
+from attnjax.tasks import classification
+from attnjax.train import checkpoint, collector, compilation_cache
+
+BAD_FILE_CHOICES = ("skip", "stop")
+# Files decoded at once while the previous batch runs: decoding is most of the time on a CPU.
+READ_THREADS = 8
+
+
+class BadFile(Exception):
+    """A file that does not decode, under ``--on-bad-file stop``."""
+
+
+def class_names(config) -> list[str]:
+    """Label ``i``'s name: the run's class folders, its TFDS dataset's label names, or ``"i"``."""
+    count = int(config.model.num_classes)
+    names = list(config.data.get("class_names", None) or ())
+    if not names and not sources.file_kind(config.data.name):
+        names = _tfds_label_names(config.data)
+    return names if len(names) == count else [str(i) for i in range(count)]
+
+
+def _tfds_label_names(data_config) -> list[str]:
+    """The label names a prepared TFDS dataset records; none where it records none."""
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(
+            data_config.name, data_dir=data.default_data_dir(data_config.get("data_dir"))
+        )
+        return list(builder.info.features[data_config.label_key].names)
+    except Exception:  # an unprepared, unlabelled or unnamed dataset: indices then
+        return []
+
+
+def _files(spec: str) -> tuple[str, list[str]]:
+    kind, colon, location = spec.partition(":")
+    if kind != "folder" or not colon or not location:
+        raise ValueError(f"images {spec!r}: expected folder:PATH")
+    return os.path.expanduser(location), folder.images_below(location)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The arguments' one-line errors, before anything is read or written."""
+    if not os.path.isdir(args.workdir):
+        raise ValueError(f"--workdir {args.workdir!r}: no such folder; expected a trained run")
+    if os.path.exists(args.out) and not args.overwrite:
+        raise ValueError(f"--out {args.out!r} exists; not overwriting it without --overwrite")
+    if args.top_k < 1 or args.batch_size < 1:
+        raise ValueError(
+            f"--top-k {args.top_k} and --batch-size {args.batch_size}: expected positive counts"
+        )
+
+
+def _header(top_k: int) -> list[str]:
+    columns = ["file", "label", "probability"]
+    for rank in range(2, top_k + 1):
+        columns += [f"label_{rank}", f"probability_{rank}"]
+    return columns
+
+
+def _reader(config, root: str, names: list[str]):
+    """``read(i)`` -> uint8 ``[image_size, image_size, C]``: file ``i`` decoded and cropped as the
+    run's eval pipeline does (``attnjax.data.pipeline.make_datasets``)."""
+    images = ImageList(
+        paths=[os.path.join(root, name) for name in names],
+        names=names,
+        labels=np.zeros(len(names), np.int32),
+        classes=(),
+    )
+    source = FileSource(
+        images,
+        sources.channels(config.data),
+        preprocess.draft_side(config.data),
+        preprocess.source_side(config.data),
+    )
+    crop = preprocess.eval_fn(config.data)
+    return lambda i: crop(source[i]["image"])
+
+
+def _batches(read, count: int, batch_size: int, on_bad_file: str, report):
+    """``(indices, uint8 images [b, H, W, C])`` of the files that decode, ``batch_size`` at a
+    time; the next batch is decoded while the caller runs this one."""
+
+    def attempt(i):
+        try:
+            return read(i)
+        except ValueError as error:
+            return error
+
+    batches = [list(range(s, min(s + batch_size, count))) for s in range(0, count, batch_size)]
+    with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
+        decoding = [pool.map(attempt, batch) for batch in batches[:1]]
+        for n, indices in enumerate(batches):
+            if n + 1 < len(batches):  # decoded while the caller runs this batch
+                decoding.append(pool.map(attempt, batches[n + 1]))
+            good = []
+            for i, result in zip(indices, decoding.pop(0)):
+                if not isinstance(result, ValueError):
+                    good.append((i, result))
+                elif on_bad_file == "stop":
+                    raise BadFile(f"{result} (--on-bad-file skip skips it)")
+                else:
+                    report(f"skipped: {result}")
+            if good:
+                yield [i for i, _ in good], np.stack([image for _, image in good])
+
+
+def predict_folder(args: argparse.Namespace) -> int:
+    """Writes ``args.out`` -> the number of rows written."""
+    check_args(args)
+    root, names = _files(args.images)
+    task = checkpoint.read_config(args.workdir).get("task")
+    if task != "classification":
+        raise ValueError(f"--workdir {args.workdir!r} is a {task!r} run; expected classification")
+    config, predict = classification.make_predict(args.workdir, step=args.step)
+    labels = class_names(config)
+    top_k = min(args.top_k, len(labels))
+    probabilities = jax.jit(lambda images: jax.nn.softmax(predict(images).astype("float32")))
+    read = _reader(config, root, names)
+    partial = f"{args.out}.partial"
+    rows = 0
+    bar = tqdm(total=len(names), unit="image", desc="predict", file=sys.stderr)
+
+    def report(line):
+        bar.write(line, file=sys.stderr)
+
+    try:
+        with bar, open(partial, "w", newline="") as out:
+            writer = csv.writer(out)
+            writer.writerow(_header(top_k))
+            for indices, images in _batches(
+                read, len(names), args.batch_size, args.on_bad_file, report
+            ):
+                # One program for every batch: the last, short one is padded to the full size.
+                padded = np.zeros((args.batch_size, *images.shape[1:]), images.dtype)
+                padded[: len(images)] = images
+                batch = np.asarray(probabilities(data.normalize(padded, config.data)))
+                for i, row in zip(indices, batch[: len(images)]):
+                    best = np.argsort(-row, kind="stable")[:top_k]
+                    cells = [names[i]]
+                    for k in best:
+                        cells += [labels[k], f"{row[k]:.9g}"]
+                    writer.writerow(cells)
+                rows += len(images)
+                bar.update(indices[-1] + 1 - bar.n)
+            bar.update(len(names) - bar.n)
+        os.replace(partial, args.out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m attnjax.inference.predict", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("images", help="folder:PATH, the images to classify")
+    parser.add_argument("--workdir", required=True, help="a trained classification run")
+    parser.add_argument("--out", required=True, help="the CSV to write")
+    parser.add_argument("--top-k", type=int, default=5, help="classes per image (default 5)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--on-bad-file", choices=BAD_FILE_CHOICES, default="skip")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint (default: latest)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    compilation_cache.enable()
+    collector.raise_thresholds()
+    try:
+        rows = predict_folder(args)
+    except (ValueError, FileNotFoundError, BadFile) as error:
+        sys.exit(f"error: {' '.join(str(error).split())}")
+    print(f"wrote {args.out}: {rows} images")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
