@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import glob
 import importlib.metadata
 import os
 from typing import Callable, Iterator
@@ -125,17 +126,35 @@ def with_collective_timeouts(xla_flags: str, seconds: int) -> str:
     return " ".join([*xla_flags.split(), *added])
 
 
-def _accelerator_expected() -> bool:
-    """Whether JAX will pick a GPU or TPU: ``$JAX_PLATFORMS`` names one first, or a plugin for one
-    is installed. There the CPU backend holds no data and keeps one device."""
-    platforms = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
-    if platforms:
-        return not platforms.split(",")[0].strip() == "cpu"
+# The device files each accelerator plugin drives, by the start of its package's name: a plugin
+# installed where its device is not (libtpu in attnjax's dev extra, for compile-only TPU
+# programs) leaves JAX on the CPU, which should then get its devices.
+ACCELERATOR_DEVICE_FILES = {
+    "libtpu": ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*"),
+    "jax-cuda": ("/dev/nvidia[0-9]*",),
+    "jax-rocm": ("/dev/kfd",),
+}
+
+
+def accelerator_present() -> bool:
+    """Whether a GPU or TPU plugin for JAX is installed and its device exists on this machine."""
     names = {
         (d.metadata["Name"] or "").lower().replace("_", "-")
         for d in importlib.metadata.distributions()
     }
-    return any(name.startswith(("jax-cuda", "jax-rocm", "libtpu")) for name in names)
+    return any(
+        any(name.startswith(plugin) for name in names) and any(map(glob.glob, device_files))
+        for plugin, device_files in ACCELERATOR_DEVICE_FILES.items()
+    )
+
+
+def _accelerator_expected() -> bool:
+    """Whether JAX will pick a GPU or TPU: ``$JAX_PLATFORMS`` names one first, or a plugin for one
+    is installed beside its device. There the CPU backend holds no data and keeps one device."""
+    platforms = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
+    if platforms:
+        return not platforms.split(",")[0].strip() == "cpu"
+    return accelerator_present()
 
 
 # The CPU device count use_cpu_cores chose for this process (None: it chose none).

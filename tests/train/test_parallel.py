@@ -1,5 +1,7 @@
 """attnjax/parallel.py: jit+NamedSharding and pmap data parallelism equal one device."""
 
+import glob
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -183,3 +185,19 @@ def test_prefetcher_state_is_that_of_the_consumed_batch():
 def test_unknown_parallel_mode():
     with pytest.raises(ValueError, match="config.parallel='shard'"):
         parallel.DataParallel("shard", batch_size=8)
+
+
+def test_an_accelerator_plugin_counts_only_beside_its_device(monkeypatch, tmp_path):
+    # The dev environment holds libtpu (compile-only TPU programs) on a machine with no TPU: JAX
+    # runs on the CPU there, and use_cpu_cores must still give it one device per core.
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    assert "libtpu" in installed
+    monkeypatch.setattr(parallel, "ACCELERATOR_DEVICE_FILES", {"libtpu": ("/dev/accel[0-9]*",)})
+    assert parallel.accelerator_present() == bool(glob.glob("/dev/accel[0-9]*"))
+    (tmp_path / "accel0").touch()
+    present = {"libtpu": (str(tmp_path / "accel[0-9]*"),)}
+    monkeypatch.setattr(parallel, "ACCELERATOR_DEVICE_FILES", present)
+    assert parallel.accelerator_present()
+    absent = {"no-such-plugin": (str(tmp_path / "accel[0-9]*"),)}
+    monkeypatch.setattr(parallel, "ACCELERATOR_DEVICE_FILES", absent)
+    assert not parallel.accelerator_present()
