@@ -7,8 +7,15 @@
 
 A PATH is a folder of images, a statistics ``.npz`` (``mu``, ``sigma``: pytorch-fid's, read and
 written), ``tfds:NAME:SPLIT``, or image files as ``train.py`` reads them (``folder:ROOT`` in any
-layout, ``filelist:LISTS``, ``shards:DIR``: every image, its central square resized to
-``--image-size``). The last line printed is ``FID: <value>``; ``--metrics`` adds
+layout, ``filelist:LISTS``, ``shards:DIR``: every image; ``folder:ROOT:SPLIT`` and the like: one
+split), each image's central square resized to ``--image-size`` (default 299, the Inception's
+input, so that photos of mixed sizes work; 0 keeps the sizes, which must then be one). The split
+is the one training reads (``attnjax.data.folder.list_split``): ``folder:photos:test`` is
+``photos/test`` where ``photos`` holds split folders, and otherwise the files a run held out
+for evaluation (``--holdout-fraction 0.1``, ``--holdout-seed 0``: configs/common.py's
+``config.data`` defaults, given here when the run changed them); ``train`` is the rest. Against
+a VQGAN's or a prior's samples, ``--image-size`` is the run's ``config.data.image_size``: both
+sides at one resolution. The last line printed is ``FID: <value>``; ``--metrics`` adds
 the Inception Score of PATH_A (``is``), precision and recall of PATH_A (generated) against
 PATH_B (real) (``pr``) and the KID (``kid``), on the same features, printed before it.
 ``--save-stats`` writes PATH's statistics to OUT.npz and never overwrites OUT.
@@ -25,6 +32,7 @@ import argparse
 import os
 import sys
 
+from attnjax.data import folder
 from attnjax.metrics import scores, sources
 from attnjax.metrics.features import (
     FeatureExtractor,
@@ -37,6 +45,8 @@ from attnjax.train import collector, compilation_cache
 DIMS = (64, 192, 768, 2048)
 METRICS = ("is", "pr", "kid")
 ISC_FEATURE = "logits_unbiased"  # torch-fidelity's and the original Inception Score's
+# Image files' default side: the Inception's input, so photos of any sizes stack into batches.
+IMAGE_SIZE = 299
 
 
 def _needs_network(opened) -> bool:
@@ -55,13 +65,16 @@ def evaluate(
     isc_splits: int = 10,
     kid_subset_size: int = 1000,
     image_size: int = 0,
+    holdout_fraction: float = folder.HOLDOUT_FRACTION,
+    holdout_seed: int = folder.HOLDOUT_SEED,
 ) -> dict[str, float]:
     """``{"fid": ...}`` of two PATHs (or the sources ``sources.open_source`` made of them), plus
     ``"is_mean"``, ``"is_std"`` (``"is"``, on PATH_A's ``"logits_unbiased"``), ``"precision"``,
     ``"recall"`` (``"pr"``) and ``"kid_mean"``, ``"kid_std"`` (``"kid"``) when asked; PATH_A is
-    the generated set."""
+    the generated set. ``image_size``, ``holdout_fraction``, ``holdout_seed``: of image files
+    (``sources.DataImages``; ``image_size`` 0 keeps each image's size)."""
     opened = [
-        sources.open_source(path, data_dir, image_size)
+        sources.open_source(path, data_dir, image_size, holdout_fraction, holdout_seed)
         if isinstance(path, (str, os.PathLike))
         else path
         for path in (path_a, path_b)
@@ -114,10 +127,29 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kid-subset-size", type=int, default=1000, help="KID subset size")
     parser.add_argument("--data-dir", help="TFDS data dir (default $TFDS_DATA_DIR)")
     parser.add_argument(
-        "--image-size", type=int, default=0, help="folder:/filelist:/shards: side (0: as is)"
+        "--image-size",
+        type=int,
+        default=IMAGE_SIZE,
+        help="folder:/filelist:/shards: images' central square resized to this side (default "
+        f"{IMAGE_SIZE}, the Inception's input; a generator's image_size against its samples; "
+        "0: as they are, one size)",
+    )
+    parser.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=folder.HOLDOUT_FRACTION,
+        help="KIND:PATH:test without split folders: the share a run held out (config.data's)",
+    )
+    parser.add_argument(
+        "--holdout-seed",
+        type=int,
+        default=folder.HOLDOUT_SEED,
+        help="KIND:PATH:test without split folders: the seed of the held-out share",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("path", nargs=2, help="folders, statistics .npz or tfds:NAME:SPLIT")
+    parser.add_argument(
+        "path", nargs=2, help="folders, statistics .npz, tfds:NAME:SPLIT or folder:ROOT[:SPLIT]"
+    )
     return parser
 
 
@@ -137,13 +169,21 @@ def _run(args) -> list[str]:
         raise ValueError(f"--metrics {args.metrics!r}: unknown {unknown}; known {list(METRICS)}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.image_size < 0:
+        raise ValueError(f"--image-size must be 0 (as is) or positive, got {args.image_size}")
+    if not 0.0 < args.holdout_fraction < 1.0:
+        raise ValueError(
+            f"--holdout-fraction={args.holdout_fraction}: expected a share in (0, 1), as "
+            "config.data.holdout_fraction"
+        )
+    opening = (args.data_dir, args.image_size, args.holdout_fraction, args.holdout_seed)
     # Every check on the paths before the network's weights are read: bad input fails at once.
     progress = not args.no_progress
     if args.save_stats:
         source, out = args.path
         if not out.endswith(".npz"):
             raise ValueError(f"--save-stats: OUT {out!r} must end in .npz")
-        opened = sources.open_source(source, args.data_dir, args.image_size)
+        opened = sources.open_source(source, *opening)
         if isinstance(opened, sources.Statistics):
             raise ValueError(f"--save-stats: {source!r} holds statistics already, not images")
         if args.inception is None:
@@ -153,7 +193,7 @@ def _run(args) -> list[str]:
         extractor = inception_extractor(args.inception, args.dims, args.batch_size)
         (mu, sigma), _ = measure(opened, extractor, str(args.dims), progress=progress)
         return [f"wrote {save_statistics(out, mu, sigma)}"]
-    opened = [sources.open_source(path, args.data_dir, args.image_size) for path in args.path]
+    opened = [sources.open_source(path, *opening) for path in args.path]
     extractor = None
     if args.inception is not None and _needs_network(opened):
         extractor = inception_extractor(args.inception, args.dims, args.batch_size, "is" in metrics)

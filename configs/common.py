@@ -5,6 +5,7 @@ and each task module's docstring.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def training(task: str) -> ml_collections.ConfigDict:
@@ -147,7 +148,9 @@ def vqgan(data: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             disc_factor=1.0,
             disc_loss="hinge",
             codebook_weight=1.0,
-            perceptual_weight=0.0,
+            # None: taming's 1.0 when config.lpips.weights is given, else 0; 0 with weights:
+            # eval/lpips without the perceptual term
+            perceptual_weight=config_dict.placeholder(float),
         )
     )
     config.discriminator = ml_collections.ConfigDict(dict(ndf=64, n_layers=3, norm="batch"))

@@ -8,8 +8,8 @@ are cropped as taming's custom datasets crop them (the shorter side resized to i
 random square for training, the central one for evaluation); an image smaller than image_size
 is an error rather than an enlarged blur: lower ``--config.data.image_size`` for small images
 (a multiple of 8). taming's objective with its PatchGAN from step 10,000; taming's perceptual
-term needs LPIPS weights (``--config.loss.perceptual_weight=1
---config.lpips.weights=lpips_vgg.npz``, converted once with ``python -m attnjax.convert.lpips``).
+term (weight 1) is on with LPIPS weights, ``--config.lpips.weights=lpips_vgg.npz`` (converted once
+with ``python -m attnjax.convert.lpips``).
 """
 
 import ml_collections

@@ -468,20 +468,31 @@ def pytorch_fid_statistics(state_dict, images, dims):
     return features.mean(axis=0), np.cov(features, rowvar=False)
 
 
-def write_digits_folder(digits_dir, root, test_images=None):
+def write_digits_folder(digits_dir, root):
     """The embedded digits as PNG files in torchvision's ImageFolder layout,
     ``root/<split>/<digit>/<index>.png`` (``index``: the digit's position in its split), for the
-    splits train and test (only its first ``test_images`` when given) -> ``root``."""
-    from PIL import Image
-
+    splits train and test -> ``root``."""
     for split in ("train", "test"):
         source = data.load_source("digits", split, digits_dir)
-        count = len(source) if split == "train" or test_images is None else test_images
-        for i in range(count):
-            record = source[i]
-            folder = os.path.join(root, split, str(int(record["label"])))
-            os.makedirs(folder, exist_ok=True)
-            Image.fromarray(np.asarray(record["image"])[..., 0]).save(
-                os.path.join(folder, f"{i:04d}.png")
-            )
+        for i in range(len(source)):
+            _write_digit(source[i], os.path.join(root, split), i)
     return str(root)
+
+
+def write_digits_class_tree(digits_dir, root, count):
+    """The first ``count`` training digits as PNG files in one class tree without split folders,
+    ``root/<digit>/<index>.png``, so that training holds out a share of them -> ``root``."""
+    source = data.load_source("digits", "train", digits_dir)
+    for i in range(count):
+        _write_digit(source[i], root, i)
+    return str(root)
+
+
+def _write_digit(record, root, index):
+    from PIL import Image
+
+    folder = os.path.join(root, str(int(record["label"])))
+    os.makedirs(folder, exist_ok=True)
+    Image.fromarray(np.asarray(record["image"])[..., 0]).save(
+        os.path.join(folder, f"{index:04d}.png")
+    )

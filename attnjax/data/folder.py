@@ -34,6 +34,11 @@ from attnjax.data.decode import IMAGE_EXTENSIONS, is_image_file
 from attnjax.data.files import ImageList
 
 KINDS = ("folder", "filelist")
+# configs/common.py's data.train_split, eval_split, holdout_fraction and holdout_seed: what a run
+# that left them alone held out.
+SPLITS = ("train", "test")
+HOLDOUT_FRACTION = 0.1
+HOLDOUT_SEED = 0
 
 
 def held_out_share(name: str, seed: int) -> float:
@@ -218,3 +223,53 @@ def list_splits(kind: str, location: str, splits: tuple[str, str], *, fraction=0
     if kind == "folder":
         return _folder(location, splits, fraction, seed)
     return _filelist(location, splits)
+
+
+def list_split(
+    kind: str,
+    location: str,
+    split: str,
+    *,
+    splits: tuple[str, str] = SPLITS,
+    fraction: float = HOLDOUT_FRACTION,
+    seed: int = HOLDOUT_SEED,
+) -> ImageList:
+    """The ``ImageList`` (unchecked) of the one split ``split`` of ``kind`` at ``location``, the
+    files training reads as that split with ``(train_split, eval_split) = splits``: a split
+    folder ``ROOT/<split>`` (the other split folder need not exist), ``splits[0]`` (the kept
+    share) or ``splits[1]`` (the held-out share, ``fraction`` and ``seed``) of a class tree or a
+    flat folder, or the file list of ``split``; a one-line ``ValueError`` for a split that is not
+    there or is empty."""
+    location = os.path.expanduser(location)
+    if kind == "filelist":
+        if "{split}" not in location:
+            raise ValueError(
+                f"filelist:{location}:{split}: the list path lacks '{{split}}'; expected a path "
+                "with {split} where the split's name goes, e.g. filelist:data/{split}.txt:test"
+            )
+        names, class_of = _read_list(location.replace("{split}", split), split)
+        path = os.path.abspath(location.replace("{split}", split))
+        return _image_list(os.path.dirname(path), names, class_of, sorted(set(class_of) - {""}))
+    if not os.path.isdir(location):
+        raise ValueError(f"{location!r}: no such folder; expected folder:ROOT:SPLIT")
+    present = [name for name in dict.fromkeys((*splits, split)) if _is_dir(location, name)]
+    if present:
+        directory = os.path.join(location, split)
+        if split not in present:
+            raise ValueError(
+                f"{location!r} holds split folders ({', '.join(present)}) but no {split!r}; "
+                f"expected the name of one of them"
+            )
+        names, class_of, classes = _labelled(directory)
+        return _image_list(directory, names, class_of, classes)
+    if split not in splits:
+        raise ValueError(
+            f"{location!r} holds no split folders, so its splits are {splits[0]!r} (the kept "
+            f"share) and {splits[1]!r} (holdout_fraction={fraction} of its files, holdout_seed="
+            f"{seed}); got split {split!r}"
+        )
+    return _folder(location, splits, fraction, seed)[split]
+
+
+def _is_dir(root: str, name: str) -> bool:
+    return bool(name) and os.path.isdir(os.path.join(root, name))

@@ -7,7 +7,11 @@
   every example of a prepared TFDS split, gray images repeated to three channels;
 - image files as training reads them (``folder:ROOT``, ``filelist:LISTS``, ``shards:DIR``,
   ``attnjax.data.folder``): every image of both splits (``train``, ``test``), in any folder
-  layout, as RGB, each cut to its central square and resized to ``image_size`` (0: kept).
+  layout, as RGB, each cut to its central square and resized to ``image_size`` (0: kept);
+  ``KIND:PATH:SPLIT`` (``folder:photos:test``) reads one split only, split as training splits
+  it (``attnjax.data.folder.list_split``): a split folder, or in a class tree or a flat folder
+  ``train`` (the kept share) or ``test`` (the share held out by ``holdout_fraction`` and
+  ``holdout_seed``, configs/common.py's 0.1 and 0 unless given).
 
 - images in memory (``ArrayImages``): generated samples, reconstructions, a decoded split.
 
@@ -115,20 +119,38 @@ class TfdsSplit:
 
 
 class DataImages:
-    """Every image of both splits of image files (``folder:``, ``filelist:``, ``shards:``)."""
+    """The images of image files (``KIND:PATH``: ``folder:``, ``filelist:``, ``shards:``) of both
+    splits, or (``KIND:PATH:SPLIT``) of one split, held out by ``fraction`` and ``seed`` where the
+    layout has no split folders (``attnjax.data.folder.list_split``)."""
 
-    SPLITS = ("train", "test")
+    SPLITS = folder.SPLITS
 
-    def __init__(self, spec: str, image_size: int = 0):
+    def __init__(
+        self,
+        spec: str,
+        image_size: int = 0,
+        fraction: float = folder.HOLDOUT_FRACTION,
+        seed: int = folder.HOLDOUT_SEED,
+    ):
         self.path, self.image_size = spec, image_size
         kind, location = file_kind(spec)
+        split = split_of(spec)
+        if split is not None:
+            location = location[: -len(split) - 1]
         if kind == "shards":
-            lists = [shards.split_list(location, split) for split in self.SPLITS]
-            self.sources = [shards.ShardSource(location, split, 3) for split in self.SPLITS]
+            splits = self.SPLITS if split is None else (split,)
+            for name in splits:
+                shards.split_list(location, name)  # a one-line error for a split it lacks
+            self.sources = [shards.ShardSource(location, name, 3) for name in splits]
             self.items = [(s, i) for s in self.sources for i in range(len(s))]
-        else:
+        elif split is None:
             lists = folder.list_splits(kind, location, self.SPLITS, fraction=0.5).values()
             self.items = [(path, None) for images in lists for path in images.paths]
+        else:
+            images = folder.list_split(kind, location, split, fraction=fraction, seed=seed)
+            self.items = [(path, None) for path in images.paths]
+        if not self.items:
+            raise ValueError(f"{spec!r}: no images in this split; expected at least one")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -166,13 +188,34 @@ class ArrayImages:
             yield self.images[start : start + size]
 
 
-def open_source(spec: str, data_dir: str | None = None, image_size: int = 0):
+def split_of(spec: str) -> str | None:
+    """The SPLIT of image files named ``KIND:PATH:SPLIT`` (after the last colon, where
+    ``KIND:PATH:SPLIT`` as a whole names no existing file or folder); None for ``KIND:PATH``."""
+    kind, location = file_kind(spec)
+    path, colon, split = location.rpartition(":")
+    if not colon or "/" in split or os.path.exists(os.path.expanduser(location)):
+        return None
+    if not split or not path:
+        raise ValueError(
+            f"{spec!r}: expected {kind}:PATH or {kind}:PATH:SPLIT, e.g. {kind}:photos:test"
+        )
+    return split
+
+
+def open_source(
+    spec: str,
+    data_dir: str | None = None,
+    image_size: int = 0,
+    holdout_fraction: float = folder.HOLDOUT_FRACTION,
+    holdout_seed: int = folder.HOLDOUT_SEED,
+):
     """``spec`` (a folder, a statistics ``.npz``, ``tfds:NAME:SPLIT`` or image files as training
-    reads them) -> ``Statistics``, ``ImageFolder``, ``TfdsSplit`` or ``DataImages``;
-    ``data_dir``: TFDS's (default ``$TFDS_DATA_DIR``); ``image_size``: of ``DataImages``."""
+    reads them, ``KIND:PATH[:SPLIT]``) -> ``Statistics``, ``ImageFolder``, ``TfdsSplit`` or
+    ``DataImages``; ``data_dir``: TFDS's (default ``$TFDS_DATA_DIR``); ``image_size``,
+    ``holdout_fraction`` and ``holdout_seed``: of ``DataImages``."""
     spec = os.fspath(spec)
     if file_kind(spec):
-        return DataImages(spec, image_size)
+        return DataImages(spec, image_size, holdout_fraction, holdout_seed)
     if spec.startswith("tfds:"):
         parts = spec.split(":", 2)  # a split may hold colons itself: test[:100]
         if len(parts) != 3 or not parts[1] or not parts[2]:

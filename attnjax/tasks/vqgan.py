@@ -24,12 +24,12 @@ Config: ``model.ddconfig`` (taming's), ``model.n_embed``, ``model.embed_dim``, `
 ``lookup_dim``, ``ema_decay``, ``usage_decay``, ``fsq_levels``, ``lfq_*``; 0 switches a numeric
 option off), ``reseed_threshold`` (kind "vq" only), ``loss``
 (``disc_start``, ``disc_weight`` (0: no discriminator at all), ``disc_factor``,
-``codebook_weight``, ``perceptual_weight``, ``disc_loss``), ``discriminator`` (``ndf``,
-``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables converted once to ``.npz``, see
-``attnjax.models.lpips.load_variables``; "" turns the perceptual term and ``eval/lpips`` off, and
-the log says so; torch is never needed here), ``fid`` (``eval/rfid`` at the end of training,
-``attnjax.tasks.image_metrics``), ``disc_learning_rate`` and the ``attnjax.train.optim``
-fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
+``codebook_weight``, ``perceptual_weight`` (None: taming's 1 with LPIPS weights), ``disc_loss``),
+``discriminator`` (``ndf``, ``n_layers``, ``norm``), ``lpips.weights`` (LPIPS variables
+converted once to ``.npz``, see ``attnjax.models.lpips.load_variables``; "" turns the perceptual
+term and ``eval/lpips`` off, and the log says so; torch is never needed here), ``fid``
+(``eval/rfid`` at the end of training, ``attnjax.tasks.image_metrics``), ``disc_learning_rate``
+and the ``attnjax.train.optim`` fields (taming: Adam, ``b1=0.5``, ``b2=0.9``, no weight decay).
 
 Eval metrics: ``l1`` (on the model's pixel scale), ``psnr`` (per image, pixels in [0, 1],
 averaged), ``perplexity`` and ``codebook_usage`` (fraction of codes used, per eval batch
@@ -89,9 +89,14 @@ class TrainState:
 
 
 def perceptual_weight(config) -> float:
-    """The perceptual weight in effect: 0 without LPIPS weights."""
-    weight = float(config.loss.get("perceptual_weight", 0.0))
-    return weight if weight > 0 and config.get("lpips", {}).get("weights") else 0.0
+    """The perceptual weight in effect: 0 without LPIPS weights; with them
+    ``config.loss.perceptual_weight``, taming's 1.0 where that is None (one flag, the weights,
+    switches the term on)."""
+    if not config.get("lpips", {}).get("weights"):
+        return 0.0
+    weight = config.loss.get("perceptual_weight")
+    weight = 1.0 if weight is None else float(weight)
+    return max(weight, 0.0)
 
 
 def _quantizer_options(config) -> dict:
@@ -123,7 +128,7 @@ def create_model(config) -> dict:
         discriminator = NLayerDiscriminator(
             **config.discriminator.to_dict(), dtype=precision.compute_dtype(config)
         )
-    if config.loss.get("perceptual_weight", 0.0) > 0 and not perceptual_weight(config):
+    if (config.loss.get("perceptual_weight") or 0.0) > 0 and not perceptual_weight(config):
         logging.warning(
             "config.loss.perceptual_weight=%g but config.lpips.weights is empty: "
             "training WITHOUT the perceptual (LPIPS) term, i.e. perceptual weight 0.",

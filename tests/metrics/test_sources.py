@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from attnjax.data import folder
 from attnjax.metrics import sources
 from attnjax.metrics.statistics import save_statistics
 
@@ -77,3 +78,36 @@ def test_images_in_memory_are_a_source_as_given():
     np.testing.assert_array_equal(np.concatenate(batches), images)  # gray stays gray
     with pytest.raises(ValueError, match=r"samples: images must be \[n, H, W, C\]"):
         sources.ArrayImages(images[0], "samples")
+
+
+def test_one_split_of_image_files_is_the_split_training_reads(tmp_path):
+    """``folder:ROOT:SPLIT``: a split folder, or the held-out share of a folder without split
+    folders; a split not there or left empty is one line naming it and the folder."""
+    flat, split = tmp_path / "flat", tmp_path / "split"
+    for root in (flat, split / "train" / "cat", split / "test" / "cat"):
+        root.mkdir(parents=True)
+    for i in range(20):
+        _png(flat / f"{i:02d}.png", np.full((4 + i % 3, 6, 3), i, np.uint8))
+    _png(split / "train" / "cat" / "a.png", np.zeros((4, 4, 3), np.uint8))
+    _png(split / "test" / "cat" / "b.png", np.zeros((4, 4, 3), np.uint8))
+    held = folder.list_splits("folder", str(flat), folder.SPLITS, fraction=0.1)
+    for name, expected in (("test", held["test"].paths), ("train", held["train"].paths)):
+        source = sources.open_source(f"folder:{flat}:{name}", image_size=5)
+        assert [path for path, _ in source.items] == expected
+        assert sum(len(batch) for batch in source.batches(8)) == len(expected)
+    source = sources.open_source(f"folder:{split}:test")
+    assert [path for path, _ in source.items] == [str(split / "test" / "cat" / "b.png")]
+    assert len(sources.open_source(f"folder:{flat}", image_size=5)) == 20
+    cases = [
+        (f"folder:{flat}:val", ["'val'", "'train'", "'test'", str(flat)]),
+        (f"folder:{split}:val", ["'val'", "train, test", str(split)]),
+        (f"folder:{flat}:", ["folder:PATH:SPLIT"]),
+        (f"folder:{tmp_path / 'missing'}:test", ["missing", "no such folder"]),
+    ]
+    for spec, expected in cases:
+        with pytest.raises(ValueError) as error:
+            sources.open_source(spec)
+        message = str(error.value)
+        assert all(e in message for e in expected) and "\n" not in message, (spec, message)
+    with pytest.raises(ValueError, match=r"holdout_fraction=0.001 of its 20 images leaves the"):
+        sources.open_source(f"folder:{flat}:test", holdout_fraction=0.001)

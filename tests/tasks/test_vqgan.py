@@ -129,7 +129,9 @@ def test_eval_losses_are_the_training_losses_with_the_configs_settings(
     real examples only, with the discriminator in eval mode; eval/lpips is the ``lpips``
     package's distance whenever LPIPS weights are given, here with perceptual weight 0."""
     config = tiny_vqgan_config(digits_dir)
-    config.loss.update(disc_weight=0.8, disc_loss="vanilla", disc_factor=0.5, disc_start=0)
+    config.loss.update(
+        disc_weight=0.8, disc_loss="vanilla", disc_factor=0.5, disc_start=0, perceptual_weight=0.0
+    )
     _, lpips_variables = lpips_from_torch(lpips_reference.state_dict())
     config.lpips.weights = lpips.save_variables(lpips_variables, tmp_path / "lpips.npz")
     config.discriminator.update(ndf=8, n_layers=1)
@@ -206,6 +208,22 @@ def test_perceptual_weight_without_weights_is_zero_and_logged(monkeypatch):
     model = vqgan_task.create_model(config)
     assert model["lpips"] is None and vqgan_task.perceptual_weight(config) == 0.0
     assert any("WITHOUT the perceptual" in w for w in warnings)
+
+
+def test_lpips_weights_alone_switch_the_perceptual_term_on_at_tamings_weight():
+    """perceptual_weight unset (None): 1.0 with LPIPS weights, 0 without; a value set is kept,
+    0 included (eval/lpips without the term)."""
+    for name in ("vqgan_digits", "vqgan_folder"):
+        config = load_config(name)
+        assert config.loss.perceptual_weight is None
+        assert vqgan_task.perceptual_weight(config) == 0.0
+        config.lpips.weights = "lpips_vgg.npz"
+        assert vqgan_task.perceptual_weight(config) == 1.0, name
+        for weight in (0.0, 0.5):
+            config.loss.perceptual_weight = weight
+            assert vqgan_task.perceptual_weight(config) == weight, (name, weight)
+    for name in ("vqgan_cifar10", "vqgan_imagenet_f16"):
+        assert load_config(name).loss.perceptual_weight == 1.0, name
 
 
 def test_bad_config_raises():
