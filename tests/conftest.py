@@ -224,6 +224,27 @@ def inception_weights(tmp_path_factory):
     return files
 
 
+@pytest.fixture(scope="session")
+def train_py():
+    """``train_py(argv)``: ``train.py``'s arguments (``--config FILE[:ARG]``, its overrides,
+    ``--workdir``) parsed as train.py parses them and the run made in this process -> its final
+    metrics (the commands a docs page gives, run by its test)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from attnjax.tasks import train_and_evaluate
+
+    def train(argv):
+        values = flags.FlagValues()
+        argv = ["train.py", *argv]
+        config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
+        flags.DEFINE_string("workdir", None, "", flag_values=values)
+        values(argv)
+        return train_and_evaluate(values.config, values.workdir)
+
+    return train
+
+
 @pytest.fixture
 def np_rng():
     return np.random.default_rng(0)

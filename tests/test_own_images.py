@@ -10,9 +10,7 @@ import shlex
 
 import numpy as np
 import pytest
-from absl import flags
 from helpers import ROOT, TINY_RUN_SCHEDULE, tiny_vit_flags, write_digits_class_tree
-from ml_collections import config_flags
 from PIL import Image
 
 from attnjax import data, fid
@@ -20,7 +18,6 @@ from attnjax.data import folder, prepare
 from attnjax.inference import generate
 from attnjax.metrics import sources
 from attnjax.metrics.statistics import frechet_distance, load_statistics
-from attnjax.tasks import train_and_evaluate
 from attnjax.train import checkpoint
 
 pytestmark = [
@@ -83,15 +80,6 @@ def page_commands():
     ]
 
 
-def train(argv):
-    values = flags.FlagValues()
-    argv = ["train.py", *argv]
-    config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "", flag_values=values)
-    values(argv)
-    return train_and_evaluate(values.config, values.workdir)
-
-
 def snapshot(root):
     return {
         path: (path.read_bytes(), path.stat().st_mtime_ns)
@@ -113,7 +101,7 @@ class MeasuredSources:
 
 
 def test_the_pages_commands_train_every_stage_sample_and_print_an_fid(
-    digits_dir, inception_weights, tmp_path, capsys, monkeypatch
+    digits_dir, inception_weights, tmp_path, capsys, monkeypatch, train_py
 ):
     images = write_digits_class_tree(digits_dir, tmp_path / "digits_png", IMAGES)
     before = snapshot(tmp_path / "digits_png")
@@ -134,7 +122,7 @@ def test_the_pages_commands_train_every_stage_sample_and_print_an_fid(
         argv = shlex.split(command.replace("$IMAGES", images))[1:]
         argv = [inception_weights["npz"] if a == "inception.npz" else a for a in argv]
         if argv[0] == "train.py":
-            metrics = train(argv[1:] + TINY[argv[2]])
+            metrics = train_py(argv[1:] + TINY[argv[2]])
             assert metrics["step"] == STEPS
         elif argv[1] == "attnjax.inference.generate":
             assert os.path.isfile(generate.main(argv[2:] + TINY[argv[1]]))

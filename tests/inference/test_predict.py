@@ -13,13 +13,10 @@ import sys
 
 import numpy as np
 import pytest
-from absl import flags
 from helpers import ROOT, assert_relative, random_timm_vit, xla_flags
-from ml_collections import config_flags
 from PIL import Image
 
 from attnjax.inference import predict
-from attnjax.tasks import train_and_evaluate
 
 pytestmark = [
     # ml_collections' config_flags loads a config file as train.py does, with load_module.
@@ -64,17 +61,8 @@ def run(argv, cwd):
     )
 
 
-def train(argv):
-    values = flags.FlagValues()
-    argv = ["train.py", *argv]
-    config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "", flag_values=values)
-    values(argv)
-    return train_and_evaluate(values.config, values.workdir)
-
-
 @pytest.fixture(scope="module")
-def predicted(tmp_path_factory):
+def predicted(tmp_path_factory, train_py):
     """The page's three commands run in a fresh folder -> what the test files check."""
     import torch
 
@@ -98,7 +86,7 @@ def predicted(tmp_path_factory):
         argv = shlex.split(command.replace("$PHOTOS", str(home / "photos")))[1:]
         if argv[0] == "train.py":
             with contextlib.chdir(home):
-                outputs["train"] = train(argv[1:] + TINY["train.py"])
+                outputs["train"] = train_py(argv[1:] + TINY["train.py"])
         else:
             outputs[argv[1]] = run(argv + TINY.get(argv[1], []), home)
             assert outputs[argv[1]].returncode == 0, outputs[argv[1]].stderr
