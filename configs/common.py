@@ -31,6 +31,9 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
     config.distributed = False  # True on multi-host clusters
     config.heartbeat_timeout_seconds = 300  # a process silent this long is declared dead
+    # A run's workdir lock not renewed this long is taken over, whatever its host (a recreated
+    # slice has new hostnames); renewed every quarter of it.
+    config.lock_expiry_seconds = 120.0
     # No progress in a step, evaluation or save for longer than this ends the process (status
     # 124): max(floor, factor * the measured time), first_seconds while compiling.
     config.watchdog = {"floor_seconds": 120.0, "factor": 20.0, "first_seconds": 1800.0}

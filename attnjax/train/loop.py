@@ -133,7 +133,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     is_main = jax.process_index() == 0
     with contextlib.ExitStack() as stack:
         if is_main:  # registered once taken: a failure to take it releases no one's lock
-            stack.callback(workdir_lock.release, workdir, workdir_lock.acquire(workdir))
+            stack.callback(workdir_lock.release, workdir, workdir_lock.acquire(workdir, config))
         # Bounds every phase from here on: a dead or stalled peer never hangs this process.
         progress = watchdog.Watchdog(config, workdir)
         stack.callback(progress.stop)

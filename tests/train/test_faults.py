@@ -387,12 +387,19 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_first(
     try:
         with open(lock, "w") as f:
             json.dump({"host": socket.gethostname(), "pid": holder.pid, "token": "x"}, f)
+        # A lock without renewal times (written by hand here) is as fresh as its file.
         expected = (
-            f"workdir {workdir!r} is in use by another run (host "
-            f"{socket.gethostname()}, pid {holder.pid}); wait for it to finish, use "
-            f"another --workdir, or delete {lock} if that run is gone."
+            re.escape(
+                f"workdir {workdir!r} is in use by another run (host {socket.gethostname()}, "
+                f"pid {holder.pid}, since an unknown time; its lock expires at "
+            )
+            + r"[-0-9: ]+"
+            + re.escape(
+                " UTC unless renewed); wait for it to finish, use another --workdir, or "
+                f"delete {lock} if that run is gone."
+            )
         )
-        with pytest.raises(workdir_lock.WorkdirLockedError, match=re.escape(expected)):
+        with pytest.raises(workdir_lock.WorkdirLockedError, match=expected):
             train_and_evaluate(config_like_flags(digits_dir), workdir)
     finally:
         holder.kill()
@@ -403,9 +410,9 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_first(
         result = train_and_evaluate(config_like_flags(digits_dir), workdir)
     assert f"pid {holder.pid}" in caplog.text and "took over the lock" in caplog.text
     assert result["step"] == STEPS and not os.path.exists(lock)
-    with open(lock, "w") as f:  # another host's lock cannot be checked from here: refused
+    with open(lock, "w") as f:  # another host's renewed lock cannot be checked from here
         json.dump({"host": "elsewhere", "pid": 1, "token": "y"}, f)
-    with pytest.raises(workdir_lock.WorkdirLockedError, match=r"host elsewhere, pid 1\)"):
+    with pytest.raises(workdir_lock.WorkdirLockedError, match=r"host elsewhere, pid 1, since"):
         train_and_evaluate(config_like_flags(digits_dir), workdir)
 
 
