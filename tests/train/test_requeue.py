@@ -8,6 +8,9 @@ import sys
 
 from helpers import ROOT
 
+from attnjax.train import preemption
+from attnjax.train import requeue as requeue_module
+
 # Appends one line to argv[1] per run, then exits with the status listed for that run in
 # argv[2] (the last one from then on).
 COUNTS_RUNS = """
@@ -49,6 +52,11 @@ def runs_of(codes: str, tmp_path, *options):
     )
     _, err = proc.communicate(timeout=60)
     return proc.returncode, len(log.read_text().splitlines()), err
+
+
+def test_the_wrapper_reruns_on_train_pys_requeue_status():
+    # The wrapper keeps its own copy so that it starts without jax.
+    assert requeue_module.REQUEUE_EXIT_CODE == preemption.REQUEUE_EXIT_CODE
 
 
 def test_a_command_stopped_for_a_preemption_is_rerun_until_it_succeeds(tmp_path):
