@@ -33,6 +33,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attnjax import xla_cpu
 from attnjax.ops.platform import cpu_cores
 from attnjax.train import sharding, watchdog
 
@@ -121,9 +122,7 @@ def maybe_initialize_distributed(config=None) -> None:
 
 def with_collective_timeouts(xla_flags: str, seconds: int) -> str:
     """``xla_flags`` with XLA:CPU's collective timeouts set to ``seconds`` where it sets none."""
-    given = {flag.split("=")[0] for flag in xla_flags.split()}
-    added = [f"{flag}={seconds}" for flag in CPU_COLLECTIVE_TIMEOUT_FLAGS if flag not in given]
-    return " ".join([*xla_flags.split(), *added])
+    return xla_cpu.merged(xla_flags, [f"{flag}={seconds}" for flag in CPU_COLLECTIVE_TIMEOUT_FLAGS])
 
 
 # The device files each accelerator plugin drives, by the start of its package's name: a plugin
