@@ -227,13 +227,10 @@ def acquire(workdir: str, config=None) -> Lease:
         )
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, LOCK_FILE)
-    now = time.time()
     record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "token": uuid.uuid4().hex,
-        "since": now,
-        "heartbeat": now,
         "expiry_seconds": expiry,
     }
     for _ in range(_TRIES):
@@ -246,9 +243,10 @@ def acquire(workdir: str, config=None) -> Lease:
         reason = _stale(other, record, path)
         if reason is None:
             silent = time.time() - _heartbeat(other, path)
-            wait = _expiry(other, expiry) - silent
-            if silent <= _expiry(other, expiry) / 2:
+            others_expiry = _expiry(other, expiry)
+            if silent <= others_expiry / 2:
                 raise WorkdirLockedError(_held_line(workdir, path, other, expiry))
+            wait = others_expiry - silent
             logging.warning(
                 "the lock of %s (host %s, pid %s) has had no heartbeat for %.0f s; waiting "
                 "%.0f s for it to expire",
