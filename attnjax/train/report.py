@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import os
 
-from attnjax import xla_cpu
+from attnjax import compat, xla_cpu
 from attnjax.data import images
 from attnjax.ops.platform import processor
 from attnjax.train import events
@@ -92,8 +91,8 @@ def record_environment(workdir: str, step: int) -> dict:
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": int(step),
         "processor": processor(),
-        "jax": importlib.metadata.version("jax"),
-        "jaxlib": importlib.metadata.version("jaxlib"),
+        "jax": compat.version("jax"),
+        "jaxlib": compat.version("jaxlib"),
         "xla_flags": xla_cpu.in_effect(),
     }
     with open(os.path.join(workdir, "environment.jsonl"), "a") as f:
