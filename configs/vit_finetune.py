@@ -15,8 +15,10 @@ holds the pretrained model itself (``python -m attnjax.inference.predict``). Wit
 Recipe: the ViT paper's transfer setup (Dosovitskiy et al. 2021, appendix B.1.1; big_vision's
 transfer configs): SGD with momentum 0.9, no weight decay, global-norm clipping at 1, cosine decay
 after a short warmup, no label smoothing; the paper's rates are {0.003, 0.01, 0.03, 0.06} at
-batch 512, 0.01 here for batch 64. Training crops are Inception crops with flips; evaluation
-resizes the shorter side to image_size / 0.875 and takes the central square.
+batch 512, 0.01 here for batch 64. ``layer_decay`` (off here) scales the rate of the embeddings
+by ``layer_decay ** (L + 1)`` and of block ``k`` (from 0, of ``L``) by ``layer_decay ** (L - k)``,
+the final ``norm``'s as the last block's, and leaves the head's. Training crops are Inception crops
+with flips; evaluation resizes the shorter side to image_size / 0.875 and takes the central square.
 """
 
 import os
@@ -61,6 +63,7 @@ def get_config(pretrained: str = ""):
     config.weight_decay = 0.0
     config.label_smoothing = 0.0
     config.grad_clip_norm = 1.0
+    config.layer_decay = 0.0  # off; BEiT and MAE fine-tunes use 0.65-0.75 (attnjax.train.optim)
 
     config.batch_size = 64
     config.eval_batch_size = 64

@@ -256,14 +256,15 @@ def tiny_config(data_dir, parallel_mode="jit"):
     return config
 
 
-def tiny_vit_params():
-    """A tiny ViT (8x8 single-channel images, patch 4, 3 classes) and its initial params."""
+def tiny_vit_params(depth=1):
+    """A tiny ViT (8x8 single-channel images, patch 4, 3 classes, ``depth`` blocks) and its
+    initial params."""
     model = vit.create_vit(
         num_classes=3,
         image_size=8,
         patch_size=4,
         width=8,
-        depth=1,
+        depth=depth,
         num_heads=2,
         mlp_dim=16,
         in_channels=1,

@@ -410,6 +410,31 @@ def unstack_block_params(params: dict) -> dict:
     return out
 
 
+def layer_depths(params) -> Any:
+    """Each parameter's depth, for layer-wise learning-rate decay (``optim``'s ``layer_decay``).
+
+    timm's ``group_matcher`` for its ViT, with ``L`` blocks: ``patch_embed``, ``cls_token`` and
+    ``pos_embed`` are depth 0, ``blocks_k`` is ``k + 1``, the final ``norm`` shares the last
+    block's depth ``L``, and the rest (``fc_norm``, ``pre_logits``, ``head``) is ``L + 1``.
+    Returns a tree like ``params`` of int arrays that broadcast against its leaves: scalars, and
+    ``[L, 1, ...]`` in the scanned layout's ``blocks``.
+    """
+    stacked = jax.tree.leaves(params.get("blocks", {}))
+    num_blocks = stacked[0].shape[0] if stacked else sum(k.startswith("blocks_") for k in params)
+
+    def depth(path, leaf):
+        top = path[0].key
+        if top in ("patch_embed", "cls_token", "pos_embed"):
+            return np.array(0)
+        if top == "blocks":
+            return np.arange(1, num_blocks + 1).reshape((-1,) + (1,) * (leaf.ndim - 1))
+        if top.startswith("blocks_"):
+            return np.array(int(top[len("blocks_") :]) + 1)
+        return np.array(num_blocks if top == "norm" else num_blocks + 1)
+
+    return jax.tree_util.tree_map_with_path(depth, params)
+
+
 # --------------------------------------------------------------------------------------------
 # Attention rollout
 # --------------------------------------------------------------------------------------------

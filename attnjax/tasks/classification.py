@@ -181,11 +181,16 @@ def load_pretrained(config, model, params):
     return flax.traverse_util.unflatten_dict(flat_new, sep="/")
 
 
+def make_optimizer(config) -> optax.GradientTransformation:
+    """The config's optimiser; ``config.layer_decay`` goes by the ViT's ``layer_depths``."""
+    return optim.make_optimizer(config, layer_depths=vit.layer_depths)
+
+
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     images = jnp.asarray(example_batch["image"][:1])
     params = jax.jit(lambda r: model.init(r, images, train=False))(rng)["params"]
     params = load_pretrained(config, model, params)
-    tx = optim.make_optimizer(config)
+    tx = make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
     # One compiled init instead of dozens of eagerly dispatched (and compiled) small ops.
     return TrainState(
@@ -214,7 +219,7 @@ def abstract_batch(config, batch_size: int) -> dict:
 
 
 def train_step(state: TrainState, batch, rng, *, config, model, axis_name=None):
-    tx = optim.make_optimizer(config)
+    tx = make_optimizer(config)
 
     def loss_fn(params):
         logits = model.apply({"params": params}, batch["image"], train=True, rngs={"dropout": rng})

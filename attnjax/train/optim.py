@@ -11,6 +11,12 @@ Config fields (all top level, so ``--config.learning_rate=1e-3`` works)::
     b1, b2, eps      Adam moments;  momentum, nesterov for SGD
     grad_clip_norm   global-norm clipping (0 disables)
     grad_accum_steps optax.MultiSteps: one update every k train steps (schedule counts updates)
+    layer_decay      0 (default) or 1 disables; else layer-wise learning-rate decay (BEiT,
+                     timm's ``param_groups_layer_decay``): a parameter at depth ``d`` of a model
+                     whose deepest parameters are at depth ``D`` gets ``layer_decay ** (D - d)``
+                     times the update, weight decay included; depths come from the task
+                     (``make_optimizer``'s ``layer_depths``, e.g. ``attnjax.models.vit``'s), and
+                     the ``learning_rate`` metric stays the rate at depth ``D``
     ema_decay        0 disables; else ``ema = decay * ema + (1 - decay) * params`` each step
     nonfinite        "stop" (default) | "skip": what a step with a non-finite loss or gradient
                      norm does (see ``guard_nonfinite``); ``max_skipped_steps`` in a row end a
@@ -19,11 +25,12 @@ Config fields (all top level, so ``--config.learning_rate=1e-3`` works)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from attnjax.train import nonfinite
@@ -64,12 +71,37 @@ def learning_rate_at(config, step, schedule: optax.Schedule | None = None):
     return schedule(step // max(config.get("grad_accum_steps", 1), 1))
 
 
+def scale_by_layer_decay(
+    layer_decay: float, layer_depths: Callable[[Any], Any]
+) -> optax.GradientTransformation:
+    """Multiplies each update by ``layer_decay ** (D - depth)``, ``D`` the deepest depth.
+
+    ``layer_depths(tree)`` gives each leaf's depth as an int array that broadcasts against it (a
+    scalar, or one depth per slice of a stacked leaf); it reads only the tree's paths and shapes,
+    so the factors are constants of the compiled step. Stateless.
+    """
+
+    def update(updates, state, params=None):
+        del params
+        depths = layer_depths(updates)
+        deepest = max(int(np.max(d)) for d in jax.tree.leaves(depths))
+        scale = lambda u, d: u * np.asarray(layer_decay ** (deepest - np.asarray(d)), u.dtype)
+        return jax.tree.map(scale, updates, depths), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(
-    config, learning_rate: float | None = None, b1: float | None = None
+    config,
+    learning_rate: float | None = None,
+    b1: float | None = None,
+    layer_depths: Callable[[Any], Any] | None = None,
 ) -> optax.GradientTransformation:
     """The optax transformation described by the config (see module docstring).
 
     ``learning_rate``/``b1`` override the config's (e.g. a task's second optimiser).
+    ``layer_depths`` is the task's depth rule for ``config.layer_decay`` (see
+    ``scale_by_layer_decay``); a task without one refuses a ``layer_decay`` that is on.
     """
     name = config.optimizer
     schedule = make_schedule(config, learning_rate)
@@ -96,6 +128,17 @@ def make_optimizer(
         raise ValueError(
             f"config.optimizer={name!r} is not supported; expected one of {OPTIMIZERS}."
         )
+    layer_decay = config.get("layer_decay", 0.0)
+    if not isinstance(layer_decay, (int, float)) or not (layer_decay == 0 or 0 < layer_decay <= 1):
+        raise ValueError(f"config.layer_decay={layer_decay!r}; expected 0 (off) or in (0, 1].")
+    if layer_decay not in (0, 1):
+        if layer_depths is None:
+            raise ValueError(
+                f"config.layer_decay={layer_decay!r}; this task's parameters have no layer "
+                "depths, set 0 (off)."
+            )
+        # After the whole update, weight decay included: the group's rate scales both (timm).
+        tx = optax.chain(tx, scale_by_layer_decay(layer_decay, layer_depths))
     if config.get("grad_clip_norm", 0.0):
         tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
     accum = config.get("grad_accum_steps", 1)

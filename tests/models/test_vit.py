@@ -3,7 +3,7 @@
 The reference below is our own PyTorch code, with this architecture and these parameter names:
 patches flattened (C, row, col), Linear patch embedding, class token, learned position table,
 pre-LN blocks with torch.nn.MultiheadAttention and a Linear-GELU-Linear MLP, final LayerNorm, head
-on the class token.
+on the class token. ``layer_depths`` is checked against timm's layer-decay parameter groups.
 """
 
 import functools
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, flat, random_timm_vit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -441,3 +441,36 @@ def test_attention_rollout_matches_a_numpy_rollout(torch_pair):
     assert_close(vit.attention_rollout([uniform], (2, 2)), np.full((1, 2, 2), 0.1), what="uniform")
     with pytest.raises(ValueError, match="17 tokens do not match num_prefix_tokens=1 \\+ grid 3x3"):
         vit.attention_rollout(aux["attention_weights"], (3, 3))
+
+
+@pytest.mark.parametrize("global_pool", ["token", "avg"])  # final norm / fc_norm after the mean
+def test_layer_depths_are_timms_layer_decay_groups(global_pool):
+    # timm scales a group's rate by decay ** (deepest - depth); decay 0.5 keeps the powers exact.
+    from timm.optim import param_groups_layer_decay
+
+    from attnjax.convert.timm import vit_from_timm
+
+    reference = random_timm_vit(global_pool=global_pool, depth=3)
+    _, variables = vit_from_timm(reference)
+    names = {id(p): name for name, p in reference.named_parameters()}
+    theirs = {}
+    for group in param_groups_layer_decay(reference, layer_decay=0.5):
+        for p in group["params"]:
+            module = re.sub(r"^blocks\.(\d+)", r"blocks_\1", names[id(p)]).split(".")[0]
+            theirs.setdefault(module, set()).add(group["lr_scale"])
+    depths = flat(vit.layer_depths(variables["params"]))
+    deepest = max(int(d) for d in depths.values())
+    ours = {}
+    for key, depth in depths.items():
+        ours.setdefault(key.split("/")[0], set()).add(0.5 ** (deepest - int(depth)))
+    assert ours == theirs
+
+    scanned = flat(vit.layer_depths(vit.stack_block_params(variables["params"])))
+    for key, depth in scanned.items():
+        name = key.removeprefix("blocks/")
+        if name == key:
+            assert depth == depths[key], key
+        else:  # [depth, 1, ...]: one depth per stacked block, broadcast over the block's leaf
+            ndim = np.ndim(flat(variables["params"])[f"blocks_0/{name}"])
+            assert depth.shape == (3,) + (1,) * ndim, key
+            assert depth.ravel().tolist() == [depths[f"blocks_{k}/{name}"] for k in range(3)], key
