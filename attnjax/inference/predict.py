@@ -8,7 +8,11 @@ folder), then ``label`` and ``probability`` of the top class, then ``label_2, pr
 up to ``--top-k``. Labels are the run's class names (``config.data.class_names``: the class
 folders it trained on), the TFDS label names, or else the class indices. Each image goes through
 the run's own evaluation preprocessing (``attnjax.data``: decoding, ``config.data.eval_crop``,
-normalisation), in batches of ``--batch-size`` through one compiled program.
+normalisation), in batches of ``--batch-size`` through one compiled program. Each batch is split
+along its leading axis over this process's devices and the parameters are replicated on each
+(``attnjax.metrics.features.FeatureExtractor``: a 1-D ``data`` mesh); a ``--batch-size`` that the
+device count does not divide is rounded up to a multiple of it, said in one line on stderr, and
+the last, short batch is padded with zeros whose rows are dropped.
 
 A file that does not decode is reported on stderr in one line and skipped (``--on-bad-file
 skip``, the default), or stops the command with status 1 (``stop``). The CSV is written under a
@@ -19,6 +23,7 @@ temporary name and renamed when complete, so a stopped command leaves none; an e
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import csv
@@ -32,12 +37,15 @@ from tqdm import tqdm
 from attnjax import data
 from attnjax.data import folder, preprocess, sources
 from attnjax.data.files import FileSource, ImageList
+from attnjax.metrics.features import FeatureExtractor
 from attnjax.tasks import classification
 from attnjax.train import checkpoint, collector, compilation_cache
 
 BAD_FILE_CHOICES = ("skip", "stop")
 # Files decoded at once while the previous batch runs: decoding is most of the time on a CPU.
 READ_THREADS = 8
+# The one output of the network the extractor runs: the softmax over the classes.
+PROBABILITIES = "probabilities"
 
 
 class BadFile(Exception):
@@ -139,6 +147,21 @@ def _batches(read, count: int, batch_size: int, on_bad_file: str, report):
                 yield [i for i, _ in good], np.stack([image for _, image in good])
 
 
+def _classifier(workdir: str, batch_size: int, step: int | None):
+    """``(config, extractor)``: the run's classifier over batches split across the local devices,
+    ``{PROBABILITIES: float32 [b, num_classes]}`` of normalised images ``[b, H, W, C]``."""
+    config, variables = checkpoint.load(
+        workdir, variables=classification.VARIABLE_FIELDS, step=step
+    )
+    model = classification.create_model(config)
+
+    def probabilities(variables, images):
+        logits = model.apply(variables, images, train=False)
+        return {PROBABILITIES: jax.nn.softmax(logits.astype("float32"))}
+
+    return config, FeatureExtractor(probabilities, variables, batch_size)
+
+
 def predict_folder(args: argparse.Namespace) -> int:
     """Writes ``args.out`` -> the number of rows written."""
     check_args(args)
@@ -146,10 +169,9 @@ def predict_folder(args: argparse.Namespace) -> int:
     task = checkpoint.read_config(args.workdir).get("task")
     if task != "classification":
         raise ValueError(f"--workdir {args.workdir!r} is a {task!r} run; expected classification")
-    config, predict = classification.make_predict(args.workdir, step=args.step)
+    config, classifier = _classifier(args.workdir, args.batch_size, args.step)
     labels = class_names(config)
     top_k = min(args.top_k, len(labels))
-    probabilities = jax.jit(lambda images: jax.nn.softmax(predict(images).astype("float32")))
     read = _reader(config, root, names)
     partial = f"{args.out}.partial"
     rows = 0
@@ -158,24 +180,34 @@ def predict_folder(args: argparse.Namespace) -> int:
     def report(line):
         bar.write(line, file=sys.stderr)
 
+    if classifier.batch_size != args.batch_size:
+        report(
+            f"--batch-size {args.batch_size}: rounded up to {classifier.batch_size}, a multiple "
+            f"of the {jax.local_device_count()} devices each batch is split over"
+        )
+    # The files of each batch, in the order the classifier returns the batches.
+    batch_indices = collections.deque()
+
+    def normalized_batches():
+        for indices, images in _batches(
+            read, len(names), classifier.batch_size, args.on_bad_file, report
+        ):
+            batch_indices.append(indices)
+            yield data.normalize(images, config.data)
+
     try:
         with bar, open(partial, "w", newline="") as out:
             writer = csv.writer(out)
             writer.writerow(_header(top_k))
-            for indices, images in _batches(
-                read, len(names), args.batch_size, args.on_bad_file, report
-            ):
-                # One program for every batch: the last, short one is padded to the full size.
-                padded = np.zeros((args.batch_size, *images.shape[1:]), images.dtype)
-                padded[: len(images)] = images
-                batch = np.asarray(probabilities(data.normalize(padded, config.data)))
-                for i, row in zip(indices, batch[: len(images)]):
+            for outputs in classifier(normalized_batches(), len(names), progress=False):
+                indices = batch_indices.popleft()
+                for i, row in zip(indices, outputs[PROBABILITIES]):
                     best = np.argsort(-row, kind="stable")[:top_k]
                     cells = [names[i]]
                     for k in best:
                         cells += [labels[k], f"{row[k]:.9g}"]
                     writer.writerow(cells)
-                rows += len(images)
+                rows += len(indices)
                 bar.update(indices[-1] + 1 - bar.n)
             bar.update(len(names) - bar.n)
         os.replace(partial, args.out)
