@@ -245,6 +245,70 @@ def train_py():
     return train
 
 
+@pytest.fixture(scope="session")
+def as_host():
+    """``as_host(host, [sys.executable, SCRIPT or "-c" CODE, *args]) -> argv`` that runs the
+    Python command under the hostname ``host``: in a UTS namespace of its own (``unshare --uts``)
+    where this user may make one, else with Python's ``socket.gethostname`` answering ``host``
+    (tests/as_host.py). Either way the process keeps its pid: signals sent to it reach Python."""
+    import subprocess
+
+    try:
+        probe = ["unshare", "--uts", "sh", "-c", "hostname probe-host && hostname"]
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=10)
+        unshare = done.returncode == 0 and done.stdout.strip() == "probe-host"
+    except (OSError, subprocess.TimeoutExpired):
+        unshare = False
+
+    def command(host: str, argv: list) -> list:
+        if unshare:
+            return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *argv]
+        return [argv[0], str(TESTS / "as_host.py"), host, *argv[1:]]
+
+    return command
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A Cloud Storage server on localhost (tests/gcs_server.py) holding the bucket ``test``,
+    this session's clients pointed at it -> the environment variables that point a subprocess's
+    clients (gcsfs, TensorStore) at it too."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    url = f"http://localhost:{port}"
+    settings = {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+        # The bucket-type probe asks an API the server does not have, and warns on each path.
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+    server = subprocess.Popen(
+        [sys.executable, str(TESTS / "gcs_server.py"), str(port), "test"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # the server logs each client that closes a connection
+        text=True,
+    )
+    assert server.stdout.readline().strip() == "ready"
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield settings
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.fixture
 def np_rng():
     return np.random.default_rng(0)

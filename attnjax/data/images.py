@@ -8,12 +8,15 @@ functions that need them, so importing this module costs neither.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import Sequence
 
 import numpy as np
 from absl import logging
+
+from attnjax import storage
 
 
 def _check_images(images, where: str) -> np.ndarray:
@@ -24,6 +27,16 @@ def _check_images(images, where: str) -> np.ndarray:
             f"got shape {images.shape}"
         )
     return images
+
+
+def _write_png(image, path, **options) -> None:
+    """Saves the PIL ``image`` as a PNG at ``path``, a local file or an object in a bucket."""
+    if not storage.is_remote(path):
+        image.save(path, **options)
+        return
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **options)
+    storage.write_atomic(path, buffer.getvalue())
 
 
 def image_grid(images, nrow: int) -> np.ndarray:
@@ -64,7 +77,9 @@ def save_png(image, path, scale: int = 1) -> str:
     if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) or scale < 1:
         raise ValueError(f"save_png: scale must be a positive int, got {scale!r} (for {path})")
     image = image.repeat(scale, axis=0).repeat(scale, axis=1)
-    Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[-1] == 1 else image).save(path)
+    _write_png(
+        Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[-1] == 1 else image), path
+    )
     return str(path)
 
 
@@ -122,7 +137,7 @@ def save_labelled_grid(
         colour = "red" if alarms is not None and alarms[i] else "black"
         draw.text((x, y), str(labels[i]), fill=colour, font=font)
         canvas.paste(Image.fromarray(pixels[i]), (x, y + line))
-    canvas.save(path)
+    _write_png(canvas, path)
     return str(path)
 
 
@@ -177,7 +192,12 @@ def plot_attention_maps(images, heatmaps, path, *, titles: Sequence[str] | None 
         for ax in axes[:, i]:
             ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    if storage.is_remote(path):
+        buffer = io.BytesIO()
+        fig.savefig(buffer, dpi=100, format="png")
+        storage.write_atomic(path, buffer.getvalue())
+    else:
+        fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
@@ -404,6 +424,6 @@ def plot_curves(records: list[dict], path) -> str | None:
         origin = ((i % cols) * PANEL[0] * s, (i // cols) * PANEL[1] * s)
         _draw_panel(draw, fonts, origin, name, lines)
     # The fastest compression: written at the end of every run, where time matters more than bytes.
-    canvas.reduce(s).save(path, compress_level=1)
+    _write_png(canvas.reduce(s), path, compress_level=1)
     logging.info("wrote %s", os.fspath(path))
     return path

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax import data
+from attnjax import data, storage
 from attnjax.data.images import save_image_grid
 from attnjax.metrics import sources
 from attnjax.metrics.features import inception_extractor, measure
@@ -169,8 +169,8 @@ def run_command(args) -> str:
     default_name = (
         "completion.png" if args.complete else f"grid_{args.grid}.png" if grid else "sample.png"
     )
-    out = args.out or os.path.join(args.workdir, default_name)
-    if os.path.exists(out) and not args.force:
+    out = args.out or storage.join(args.workdir, default_name)
+    if storage.exists(out) and not args.force:
         raise ValueError(f"{out!r} exists; pass --force to overwrite it (or --out elsewhere)")
     check_statistics_args(args)
     run = load_prior(args.workdir, args.step)

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from attnjax import data
+from attnjax import data, storage
 from attnjax.data import folder, preprocess, sources
 from attnjax.data.files import FileSource, ImageList
 from attnjax.metrics.features import FeatureExtractor
@@ -83,7 +83,7 @@ def _files(spec: str) -> tuple[str, list[str]]:
 
 def check_args(args: argparse.Namespace) -> None:
     """The arguments' one-line errors, before anything is read or written."""
-    if not os.path.isdir(args.workdir):
+    if not storage.isdir(args.workdir):
         raise ValueError(f"--workdir {args.workdir!r}: no such folder; expected a trained run")
     if os.path.exists(args.out) and not args.overwrite:
         raise ValueError(f"--out {args.out!r} exists; not overwriting it without --overwrite")

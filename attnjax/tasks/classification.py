@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from attnjax import data
+from attnjax import data, storage
 from attnjax.convert import vit_checkpoint
 from attnjax.data.images import save_labelled_grid
 from attnjax.metrics.features import FeatureExtractor
@@ -263,7 +263,7 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     save_labelled_grid(
         data.denormalize(np.asarray(batch["image"][:n]), config.data),
         [f"{p}/{t}" for p, t in zip(predictions, labels)],
-        os.path.join(workdir, "eval_images.png"),
+        storage.join(workdir, "eval_images.png"),
         title=f"predicted/true, step {step}",
         alarms=predictions != labels,
     )

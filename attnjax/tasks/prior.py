@@ -24,14 +24,12 @@ VQGAN),
 
 from __future__ import annotations
 
-import os
-
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnjax import data
+from attnjax import data, storage
 from attnjax.data.images import save_image_grid
 from attnjax.models import gpt
 from attnjax.models.gpt import null_tokens, prefix_tokens
@@ -55,7 +53,7 @@ TrainState = optim.TrainState
 
 
 def _cache_dir(config, vqgan: TrainedVQGAN) -> str:
-    return config.get("codes_cache_dir") or os.path.join(vqgan.workdir, "codes")
+    return config.get("codes_cache_dir") or storage.join(vqgan.workdir, "codes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,7 +68,7 @@ def code_space(config) -> tuple[int, tuple[int, int]]:
     given = config.get("vqgan_codes") or {}
     n_embed, grid = int(given.get("n_embed", 0)), tuple(given.get("grid", ()))
     workdir = config.get("vqgan_workdir") or ""
-    if n_embed and all(grid) and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    if n_embed and all(grid) and not storage.isdir(storage.join(workdir, "checkpoints")):
         return n_embed, (int(grid[0]), int(grid[1]))
     vqgan = load_vqgan(workdir, config.get("vqgan_step"))
     trained = (vqgan.model.n_embed, tuple(vqgan.grid_shape))
@@ -425,8 +423,8 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     """``samples/<step>.png``: class-conditional samples, one row per class."""
     if jax.process_index() != 0:
         return
-    os.makedirs(os.path.join(workdir, "samples"), exist_ok=True)
-    path = os.path.join(workdir, "samples", f"{int(step):06d}.png")
+    storage.makedirs(storage.join(workdir, "samples"))
+    path = storage.join(workdir, "samples", f"{int(step):06d}.png")
     sample_grid(state, config, model, jax.random.key(config.seed), path)
 
 

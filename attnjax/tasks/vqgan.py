@@ -44,7 +44,6 @@ discriminator in eval mode, per image, averaged.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import flax
@@ -55,7 +54,7 @@ import optax
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from attnjax import data
+from attnjax import data, storage
 from attnjax.data.images import save_image_grid
 from attnjax.metrics import ssim
 from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
@@ -431,7 +430,7 @@ def write_images(state: TrainState, batch, *, config, model, workdir, step):
     for start in range(0, n, columns):
         pairs += [inputs[start : start + columns], recs[start : start + columns]]
     save_image_grid(
-        np.concatenate(pairs), os.path.join(workdir, "reconstructions.png"), columns, scale=4
+        np.concatenate(pairs), storage.join(workdir, "reconstructions.png"), columns, scale=4
     )
 
 
@@ -452,7 +451,7 @@ def finalize(state: TrainState, metrics, *, config, model, workdir):
     decoded = np.asarray(
         _to_unit_range(decode_every_code(autoencoder, variables, (size, size)), config.data)
     )
-    save_image_grid(decoded, os.path.join(workdir, "codebook.png"), 16, scale=3)
+    save_image_grid(decoded, storage.join(workdir, "codebook.png"), 16, scale=3)
     counts = data.unreadable_metrics(config.data)
     if not image_metrics.enabled(config) or jax.process_index() != 0:
         return counts

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
-import os
 from typing import Any, NamedTuple
 
 import flax
@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from attnjax import data
+from attnjax import data, storage
 from attnjax.tasks import vqgan as vqgan_task
 from attnjax.train import checkpoint
 
@@ -43,7 +43,7 @@ class TrainedVQGAN(NamedTuple):
 @functools.lru_cache(maxsize=4)
 def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
     """The VQGAN trained in ``workdir`` (cached per process: the prior's steps reuse it)."""
-    if not workdir or not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    if not workdir or not storage.isdir(storage.join(workdir, "checkpoints")):
         raise FileNotFoundError(
             f"config.vqgan_workdir={workdir!r} holds no checkpoints: train the VQGAN first "
             "(python train.py --config configs/vqgan_digits.py --workdir <dir>)"
@@ -100,7 +100,7 @@ def encode_split(
     data_config = vqgan.config.data
     key = json.dumps(
         {
-            "vqgan_workdir": os.path.abspath(vqgan.workdir),
+            "vqgan_workdir": storage.absolute(vqgan.workdir),
             "step": int(vqgan.step),
             "params": _params_digest(vqgan.variables),
             "data": {
@@ -117,9 +117,9 @@ def encode_split(
         default=str,
     )
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"{split}-shift{shifts}-{digest}.npz")
-    if os.path.exists(path):
-        with np.load(path) as cached:
+    path = storage.join(cache_dir, f"{split}-shift{shifts}-{digest}.npz")
+    if storage.exists(path):
+        with np.load(io.BytesIO(storage.read_bytes(path))) as cached:
             logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
             return cached["codes"], cached["labels"]
     images, labels = load_images(data_config, split, shifts)
@@ -138,12 +138,12 @@ def encode_split(
         )  # one shape, one compilation
         codes.append(np.asarray(encode(padded))[: len(chunk)].reshape(len(chunk), -1))
     codes = np.concatenate(codes).astype(np.int32)
-    os.makedirs(cache_dir, exist_ok=True)
-    # Written whole, then renamed: a killed run leaves no bad cache; per process, because every
-    # process of a multi-process run encodes (and writes) the same split.
-    partial = f"{path}.{os.getpid()}.partial.npz"
-    np.savez(partial, codes=codes, labels=labels, key=key)
-    os.replace(partial, path)
+    storage.makedirs(cache_dir)
+    # Written whole: a killed run leaves no bad cache, and every process of a multi-process run,
+    # which all encode the same split, writes the same bytes.
+    buffer = io.BytesIO()
+    np.savez(buffer, codes=codes, labels=labels, key=key)
+    storage.write_atomic(path, buffer.getvalue())
     logging.info(
         "prior: encoded %d %s images to codes %s -> %s", len(codes), split, codes.shape, path
     )

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import logging as std_logging
-import os
 from typing import Sequence
 
 import flax.serialization
@@ -33,8 +32,8 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 
+from attnjax import storage
 from attnjax.train import checkpoint_integrity, elastic
 
 CONFIG_FILE = "config.json"
@@ -48,7 +47,7 @@ NOT_IDENTITY = ("remat",)
 
 
 def _checkpoint_dir(workdir: str, best: bool = False) -> str:
-    return os.path.join(os.path.abspath(workdir), "checkpoints_best" if best else "checkpoints")
+    return storage.join(storage.absolute(workdir), "checkpoints_best" if best else "checkpoints")
 
 
 def latest_step(workdir: str, best: bool = False) -> int | None:
@@ -58,18 +57,17 @@ def latest_step(workdir: str, best: bool = False) -> int | None:
     checkpoints are counted.
     """
     directory = _checkpoint_dir(workdir, best)
-    if not os.path.isdir(directory):
+    if not storage.isdir(directory):
         return None
-    return max(ocp.utils.checkpoint_steps(directory), default=None)
+    return max(ocp.utils.checkpoint_steps(storage.path(directory)), default=None)
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
     """The config a run in ``workdir`` was started with."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
+    path = storage.join(workdir, CONFIG_FILE)
+    if not storage.exists(path):
         raise FileNotFoundError(f"{path} not found: {workdir!r} is not a training workdir.")
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    return ml_collections.ConfigDict(json.loads(storage.read_text(path)))
 
 
 def _jsonable(config) -> dict:
@@ -77,9 +75,9 @@ def _jsonable(config) -> dict:
 
 
 def write_config(workdir: str, config) -> None:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
-        json.dump(_jsonable(config), f, indent=2, sort_keys=True)
+    storage.makedirs(workdir)
+    text = json.dumps(_jsonable(config), indent=2, sort_keys=True)
+    storage.write_atomic(storage.join(workdir, CONFIG_FILE), text)
 
 
 def _identity(value):
@@ -91,7 +89,7 @@ def _identity(value):
 def check_compatible(workdir: str, config, fields: Sequence[str] = DEFAULT_IDENTITY_FIELDS) -> None:
     """Raises ``ValueError`` if ``workdir`` holds checkpoints of a different model: one whose
     config differs from ``config`` in ``task`` or one of ``fields``."""
-    if latest_step(workdir) is None or not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    if latest_step(workdir) is None or not storage.exists(storage.join(workdir, CONFIG_FILE)):
         return
     saved, current = _jsonable(read_config(workdir)), _jsonable(config)
     pairs = {k: (_identity(saved.get(k)), _identity(current.get(k))) for k in ("task", *fields)}
@@ -135,7 +133,7 @@ class Checkpointer:
         self.workdir = workdir
         _write_small_arrays_whole()
         self.manager = ocp.CheckpointManager(
-            _checkpoint_dir(workdir),
+            storage.path(_checkpoint_dir(workdir)),
             options=ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, create=True),
             item_names=("state", "data"),
         )
@@ -147,7 +145,7 @@ class Checkpointer:
                 raise ValueError(f"config.best_mode={mode!r}; expected 'max' or 'min'.")
             metric = self.best_metric
             self.best_manager = ocp.CheckpointManager(
-                _checkpoint_dir(workdir, best=True),
+                storage.path(_checkpoint_dir(workdir, best=True)),
                 options=ocp.CheckpointManagerOptions(
                     max_to_keep=1,
                     best_fn=lambda m: float(m[metric]),
@@ -287,7 +285,7 @@ def load(
     """
     config = read_config(workdir)
     directory = _checkpoint_dir(workdir, best=best)
-    if not os.path.isdir(directory):
+    if not storage.isdir(directory):
         raise FileNotFoundError(f"no checkpoints under {directory!r}.")
     # read_only guards the run against accidental writes; Orbax warns about it on every open,
     # which is noise for a reader, so its logger is quieted for this block only.
@@ -296,7 +294,9 @@ def load(
     level = absl_logger.level
     absl_logger.setLevel(std_logging.ERROR)
     try:
-        manager = ocp.CheckpointManager(directory, item_names=("state",), options=options)
+        manager = ocp.CheckpointManager(
+            storage.path(directory), item_names=("state",), options=options
+        )
     finally:
         absl_logger.setLevel(level)
     with manager:
@@ -310,7 +310,7 @@ def load(
         )
         saved = (
             ocp.StandardCheckpointHandler()
-            .metadata(epath.Path(directory) / str(step) / "state")
+            .metadata(storage.path(directory) / str(step) / "state")
             .tree
         )
         target = jax.tree.map(

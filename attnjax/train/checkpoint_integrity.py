@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from attnjax import storage
+
 DAMAGED_PREFIX = "damaged-"
 # OS errors that mean "the disk (or the process's file size limit) is full".
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -66,12 +68,12 @@ def _all_finite(tree) -> bool:
 
 def move_aside(directory: str, step: int) -> str:
     """Renames ``directory/<step>`` to ``directory/damaged-<step>`` (``-2``, ... if taken)."""
-    target = os.path.join(directory, f"{DAMAGED_PREFIX}{step}")
+    target = storage.join(directory, f"{DAMAGED_PREFIX}{step}")
     suffix = 1
-    while os.path.exists(target):
+    while storage.exists(target):
         suffix += 1
-        target = os.path.join(directory, f"{DAMAGED_PREFIX}{step}-{suffix}")
-    os.rename(os.path.join(directory, str(step)), target)
+        target = storage.join(directory, f"{DAMAGED_PREFIX}{step}-{suffix}")
+    storage.rename(storage.join(directory, str(step)), target)
     return target
 
 

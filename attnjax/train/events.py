@@ -24,6 +24,8 @@ import socket
 import struct
 import time
 
+from attnjax import storage
+
 _FILE_VERSION = "brain.Event:2"
 _SESSION_START = 1
 _files = itertools.count()  # two writers of one process in one second get two files
@@ -113,13 +115,13 @@ class EventFileWriter:
     ``write`` reaches the file before it returns, so a run killed later keeps what it logged."""
 
     def __init__(self, logdir: str, purge_step: int | None = None):
-        os.makedirs(logdir, exist_ok=True)
+        storage.makedirs(logdir)
         name = (
             f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
             f".{os.getpid()}.{next(_files)}"
         )
-        self.path = os.path.join(logdir, name)
-        self._file = open(self.path, "ab")
+        self.path = storage.join(logdir, name)
+        self._file = storage.AppendFile(self.path)
         records = [event(0, file_version=_FILE_VERSION)]
         if purge_step is not None:
             records.append(event(purge_step, file_version=_FILE_VERSION))

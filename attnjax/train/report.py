@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 
-from attnjax import compat, xla_cpu
+from attnjax import compat, storage, xla_cpu
 from attnjax.data import images
 from attnjax.ops.platform import processor
 from attnjax.train import events
@@ -23,45 +22,43 @@ class MetricWriter:
 
     def __init__(self, workdir: str, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self._tb = None
+        self.path = storage.join(workdir, "metrics.jsonl")
+        self._tb = self._file = None
         if enabled:
             _truncate_after(self.path, resume_step)
+            self._file = storage.AppendFile(self.path, binary=False)
             # Also on a fresh start: a run killed before its first checkpoint left events.
             self._tb = events.EventFileWriter(
-                os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1
+                storage.join(workdir, "tensorboard"), purge_step=resume_step + 1
             )
 
     def write(self, step: int, scalars: dict) -> None:
         if not self.enabled:
             return
         record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a run killed later keeps what it logged
         self._tb.write(int(step), scalars)
 
     def close(self) -> None:
         if self._tb is not None:
+            self._file.close()
             self._tb.close()
 
 
 def _truncate_after(path: str, step: int) -> None:
     """Drops the records of ``path`` after ``step`` (and a last line cut short by a kill)."""
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return
     kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        f.writelines(kept)
-    os.replace(temporary, path)
+    for line in storage.read_text(path).splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    storage.write_atomic(path, "".join(kept))
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -70,16 +67,15 @@ def read_metrics(workdir: str) -> list[dict]:
     A run resumed from a checkpoint repeats the steps after that checkpoint; for each step the
     last record of each kind (``train/*`` log, ``eval/*`` results) is kept.
     """
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = storage.join(workdir, "metrics.jsonl")
+    if not storage.exists(path):
         return []
     latest: dict = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                kind = tuple(sorted({key.split("/")[0] for key in record if "/" in key}))
-                latest[(record["step"], kind)] = record
+    for line in storage.read_text(path).splitlines():
+        if line.strip():
+            record = json.loads(line)
+            kind = tuple(sorted({key.split("/")[0] for key in record if "/" in key}))
+            latest[(record["step"], kind)] = record
     return sorted(latest.values(), key=lambda record: record["step"])
 
 
@@ -95,8 +91,7 @@ def record_environment(workdir: str, step: int) -> dict:
         "jaxlib": compat.version("jaxlib"),
         "xla_flags": xla_cpu.in_effect(),
     }
-    with open(os.path.join(workdir, "environment.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    storage.append_text(storage.join(workdir, "environment.jsonl"), json.dumps(record) + "\n")
     return record
 
 
@@ -110,4 +105,4 @@ def format_table(step: int, metrics: dict) -> str:
 
 def plot_curves(workdir: str) -> str | None:
     """``curves.png``: one panel per metric name (train and eval share a panel) vs step."""
-    return images.plot_curves(read_metrics(workdir), os.path.join(workdir, "curves.png"))
+    return images.plot_curves(read_metrics(workdir), storage.join(workdir, "curves.png"))

@@ -32,10 +32,13 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import tempfile
 import threading
 import time
 
 import jax
+
+from attnjax import storage
 
 FAILURE_EXIT_CODE = 1
 _FAILURE_KEYS = "attnjax/failed/"
@@ -70,7 +73,7 @@ def longest_bound(config) -> float:
 
 
 def stacks_path(workdir: str) -> str:
-    return os.path.join(workdir, f"watchdog-process_{jax.process_index()}.txt")
+    return storage.join(workdir, f"watchdog-process_{jax.process_index()}.txt")
 
 
 class Watchdog:
@@ -171,8 +174,11 @@ class Watchdog:
         )
         sys.stderr.flush()
         try:
-            with open(path, "w") as stacks:
+            # faulthandler writes to a file descriptor: a local file, copied to a bucket.
+            with tempfile.TemporaryFile("w+") as stacks:
                 faulthandler.dump_traceback(stacks, all_threads=True)
+                stacks.seek(0)
+                storage.write_atomic(path, stacks.read())
         finally:
             os._exit(EXIT_CODE)
 

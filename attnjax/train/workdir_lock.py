@@ -16,14 +16,16 @@ A run that finds a lock silent for half its expiry (its owner missed beats) wait
 and looks again, so that a job restarted moments after its predecessor died still starts.
 Hosts' clocks are assumed to agree to well within the expiry (NTP does).
 
-Atomicity without hard links (Cloud Storage FUSE has none): the lock is created with an
-exclusive create (``O_CREAT | O_EXCL``), its JSON written and fsynced in the same call, so a
-reader can meet an empty or partial lock; it counts as held while it is young and is read again
-for ``UNREADABLE_GRACE_SECONDS``, and only taken over once older than the expiry (a writer that
-died mid-write). Renewals and takeovers write a private file and rename it over the lock, so
-readers see the old record or the new one. Several jobs taking over one expired lock each
-rename theirs in and read the lock again ``SETTLE_SECONDS`` later: only the last one renamed in
-is found, so exactly one wins and the others are refused by its fresh lease.
+Atomicity without hard links (Cloud Storage FUSE has none), on a disk or in a bucket
+(``attnjax.storage``): the lock is created with an exclusive create (``O_CREAT | O_EXCL`` on a
+disk, its JSON written and fsynced in the same call, so a reader can meet an empty or partial
+lock; it counts as held while it is young and is read again for ``UNREADABLE_GRACE_SECONDS``,
+and only taken over once older than the expiry: a writer that died mid-write). Renewals and
+takeovers replace the lock whole (a private file renamed over it on a disk, one object write in
+a bucket), so readers see the old record or the new one. Several jobs taking over one expired
+lock, or creating one in a bucket whose create-only precondition may go unchecked, each write
+theirs and read the lock again ``SETTLE_SECONDS`` later: only the last one written is found, so
+exactly one wins and the others are refused by its fresh lease.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import time
 import uuid
 
 from absl import logging
+
+from attnjax import storage
 
 LOCK_FILE = "run.lock"
 DEFAULT_EXPIRY_SECONDS = 120.0
@@ -67,8 +71,7 @@ def expiry_seconds(config=None) -> float:
 def _read(path: str) -> dict | None:
     """The lock's record; None: no lock; ``{}``: a lock being written, or damaged."""
     try:
-        with open(path) as f:
-            record = json.load(f)
+        record = json.loads(storage.read_bytes(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -86,27 +89,20 @@ def _read_settled(path: str) -> dict | None:
     return record
 
 
-def _write(f, record: dict) -> None:
-    json.dump(record, f)
-    f.flush()
-    os.fsync(f.fileno())
-
-
 def _create(path: str, record: dict) -> bool:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
+    """Whether the lock was created with ``record``. Where the store's create-only write may not
+    be checked (object storage), the lock is read back after ``SETTLE_SECONDS``: of several jobs
+    creating it at once, the last write is the one found, and the others step back."""
+    if not storage.create_exclusive(path, json.dumps(record)):
         return False
-    with os.fdopen(fd, "w") as f:
-        _write(f, record)
-    return True
+    if not storage.is_remote(path):
+        return True
+    time.sleep(SETTLE_SECONDS)
+    return (_read(path) or {}).get("token") == record["token"]
 
 
 def _replace(path: str, record: dict) -> None:
-    private = f"{path}.{record['token']}"
-    with open(private, "w") as f:
-        _write(f, record)
-    os.replace(private, path)
+    storage.write_atomic(path, json.dumps(record))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -129,7 +125,7 @@ def _heartbeat(record: dict, path: str) -> float:
     if isinstance(beat, (int, float)) and not isinstance(beat, bool):
         return float(beat)
     try:
-        return os.path.getmtime(path)
+        return storage.modified_time(path)
     except FileNotFoundError:
         return 0.0
 
@@ -221,12 +217,12 @@ def acquire(workdir: str, config=None) -> Lease:
     """Creates the lock and starts renewing it -> the lease; raises ``WorkdirLockedError`` if
     another live run holds it."""
     expiry = expiry_seconds(config)
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
+    if storage.exists(workdir) and not storage.isdir(workdir):
         raise NotADirectoryError(
             f"--workdir {workdir!r} is a file; expected a directory (new or of an earlier run)."
         )
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, LOCK_FILE)
+    storage.makedirs(workdir)
+    path = storage.join(workdir, LOCK_FILE)
     record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -280,6 +276,6 @@ def release(workdir: str, lease: Lease | None) -> None:
     if lease is None:
         return
     lease.stop()
-    path = os.path.join(workdir, LOCK_FILE)
+    path = storage.join(workdir, LOCK_FILE)
     if (_read(path) or {}).get("token") == lease.record["token"]:
-        os.remove(path)
+        storage.remove(path)

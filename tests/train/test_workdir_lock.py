@@ -19,14 +19,11 @@ from attnjax.train import workdir_lock
 EXPIRY = 2.0  # seconds; renewed every EXPIRY / HEARTBEATS_PER_EXPIRY
 
 # Takes the lock of argv[1] at the wall time argv[2], says "won" or "refused <line>", holds
-# the lock argv[3] seconds and releases it. argv[4]: the hostname to claim where ``unshare`` is
-# not available (empty under unshare, which sets the real one).
+# the lock argv[3] seconds and releases it.
 TAKES = """
-import socket, sys, time
+import sys, time
 from attnjax.train import workdir_lock
-workdir, start_at, hold, host = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-if host:
-    socket.gethostname = lambda: host
+workdir, start_at, hold = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 time.sleep(max(start_at - time.time(), 0.0))
 try:
     lease = workdir_lock.acquire(workdir, {"lock_expiry_seconds": %r})
@@ -39,29 +36,22 @@ workdir_lock.release(workdir, lease)
 """ % (EXPIRY,)
 
 
-def _unshare_works() -> bool:
-    try:
-        probe = ["unshare", "--uts", "sh", "-c", "hostname probe-host && hostname"]
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0 and done.stdout.strip() == "probe-host"
+@pytest.fixture
+def start_on_host(as_host):
+    """``start_on_host(host, workdir, start_at=, hold=)``: a process taking the lock under the
+    hostname ``host``."""
 
+    def start(host: str, workdir, *, start_at: float = 0.0, hold: float = 600.0):
+        args = [str(workdir), str(start_at), str(hold)]
+        return subprocess.Popen(
+            as_host(host, [sys.executable, "-c", TAKES, *args]),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
-UNSHARE = _unshare_works()
-
-
-def start_on_host(host: str, workdir, *, start_at: float = 0.0, hold: float = 600.0):
-    """A process taking the lock under the hostname ``host``."""
-    args = [str(workdir), str(start_at), str(hold)]
-    if UNSHARE:
-        command = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host]
-        command += [sys.executable, "-c", TAKES, *args, ""]
-    else:
-        command = [sys.executable, "-c", TAKES, *args, host]
-    return subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return start
 
 
 def read_lock(workdir) -> dict:
@@ -69,7 +59,9 @@ def read_lock(workdir) -> dict:
         return json.load(f)
 
 
-def test_a_live_owner_elsewhere_is_refused_and_a_killed_one_taken_over_after_expiry(tmp_path):
+def test_a_live_owner_elsewhere_is_refused_and_a_killed_one_taken_over_after_expiry(
+    tmp_path, start_on_host
+):
     owner = start_on_host("old-slice", tmp_path)
     try:
         assert owner.stdout.readline().strip() == "won", owner.stderr.read()
@@ -98,7 +90,7 @@ def test_a_live_owner_elsewhere_is_refused_and_a_killed_one_taken_over_after_exp
     assert not os.path.exists(os.path.join(tmp_path, workdir_lock.LOCK_FILE))  # released
 
 
-def test_two_jobs_taking_over_one_expired_lock_exactly_one_wins(tmp_path):
+def test_two_jobs_taking_over_one_expired_lock_exactly_one_wins(tmp_path, start_on_host):
     expired = time.time() - 10 * EXPIRY
     with open(os.path.join(tmp_path, workdir_lock.LOCK_FILE), "w") as f:
         record = {"host": "dead-slice", "pid": 1, "token": "gone", "expiry_seconds": EXPIRY}
