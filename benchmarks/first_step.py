@@ -32,7 +32,9 @@ from attnjax.ops.platform import cpu_cores, processor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-FIRST_STEP = re.compile(r"first step done(?: ([\d.]+) s after the process started)?: (.*)")
+FIRST_STEP = re.compile(
+    r"first step done(?: ([\d.]+) s after the process started)?(?: \(([^)]*)\))?: (.*)"
+)
 B16_BATCH = 8
 
 ROWS = {  # name: (description, train.py flags, torch batch)

@@ -30,6 +30,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # fails on.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# Tests patch the code a program is traced from (a kernel choice, a fault), which the key of a
+# kept executable cannot see: every run traces (tests/train/test_executables.py and
+# test_compilation_cache.py turn it on for themselves).
+os.environ["ATTNJAX_EXECUTABLE_CACHE"] = "off"
 # Outcomes must not hang on timing: the CPU choices attnjax.ops.autotune would time on this
 # machine take their fixed defaults; tests that check a choice set it themselves.
 os.environ["ATTNJAX_CPU_AUTOTUNE"] = "0"

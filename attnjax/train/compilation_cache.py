@@ -45,6 +45,14 @@ MIN_COMPILE_SECONDS = 0.2
 LOCK_WAIT_SECONDS = 30.0
 
 _counts = {"hits": 0, "misses": 0, "saved_seconds": 0.0}
+# JAX's own timings of the three stages every new program goes through, summed over the process
+# (seconds): what a warm start still pays before the cache can answer, and what a cold one adds.
+STAGES = {
+    "/jax/core/compile/jaxpr_trace_duration": "tracing",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowering",
+    "/jax/core/compile/backend_compile_duration": "compiling",
+}
+_stages = dict.fromkeys(STAGES.values(), 0.0)
 _listening = False
 
 
@@ -105,15 +113,27 @@ def remove_interrupted_entries(directory: pathlib.Path) -> list[str]:
     return removed
 
 
+def current_directory() -> str | None:
+    """The directory JAX's persistent cache uses in this process, or None where it is off."""
+    return jax.config.jax_compilation_cache_dir or None
+
+
 def counts() -> dict:
     """``{"hits", "misses", "saved_seconds"}`` of this process so far: programs read from the
     cache, programs compiled because the cache lacked them, and the compile time saved."""
     return dict(_counts)
 
 
+def stage_seconds() -> dict:
+    """``{"tracing", "lowering", "compiling"}``: seconds this process has spent so far turning
+    Python into jaxprs, jaxprs into MLIR, and MLIR into executables (a cache hit's read counts
+    as compiling)."""
+    return dict(_stages)
+
+
 def summary() -> str:
     """One line for the log: where the programs came from."""
-    directory = jax.config.jax_compilation_cache_dir
+    directory = current_directory()
     if not directory:
         return "no persistent compilation cache"
     c = counts()
@@ -157,6 +177,8 @@ def _listen() -> None:
     def on_duration(event: str, duration: float, **kwargs) -> None:
         if event == "/jax/compilation_cache/compile_time_saved_sec":
             _counts["saved_seconds"] += duration
+        elif event in STAGES:
+            _stages[STAGES[event]] += duration
 
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_event_duration_secs_listener(on_duration)

@@ -33,7 +33,7 @@ from attnjax.ops import autotune
 from attnjax.train import (
     checkpoint,
     checkpoint_integrity,
-    compilation_cache,
+    executables,
     nonfinite,
     parallel,
     performance,
@@ -164,6 +164,9 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         if saves_initial:
             ckpt.save(0, dp.checkpointable(state), train_iter.get_state())
         train_step, eval_step = compile_steps(config, task, model, dp, state)
+        if dp.mode == "jit":  # a repeated run loads them as compiled, skipping their tracing
+            identity = executables.identity_of(config, task)
+            train_step, eval_step = executables.cached_steps(identity, train_step, eval_step)
         batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
         stack.callback(writer.close)
@@ -423,9 +426,7 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
 def _report_first_step(run: _Run, metrics) -> None:
     """The wait before the first result, and where its compiled programs came from."""
     jax.block_until_ready(metrics)
-    age = compilation_cache.process_seconds()
-    line = f"first step done{'' if age is None else f' {age:.1f} s after the process started'}: "
-    line += compilation_cache.summary()
+    line = executables.first_step_line()
     logging.info(line)
     if jax.process_index() == 0 and not run.config.get("quiet", False):
         run.bar.write(line)

@@ -11,12 +11,14 @@ import sys
 import jax
 from helpers import tiny_vit_flags
 
-from attnjax.train import compilation_cache
+from attnjax.train import compilation_cache, executables, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIRST_STEP = re.compile(
-    r"first step done ([\d.]+) s after the process started: (\d+) programs from the compilation "
-    r"cache at (\S+) \((-?[\d.]+) s of compiling saved\), (\d+) compiled and written to it"
+    r"first step done ([\d.]+) s after the process started \(tracing ([\d.]+) s, lowering "
+    r"([\d.]+) s, compiling ([\d.]+) s\): (\d+) compiled programs loaded, (\d+) kept; (\d+) "
+    r"programs from the compilation cache at (\S+) \((-?[\d.]+) s of compiling saved\), (\d+) "
+    r"compiled and written to it"
 )
 
 
@@ -26,6 +28,7 @@ def _run_with_own_cache(argv, cache, timeout, **env):
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")},
         compilation_cache.ENV_DIR: str(cache),
+        executables.ENV_DIR: "",  # in the cache's directory, as by default
         **env,
     }
     run = subprocess.run(
@@ -47,23 +50,36 @@ def _train(workdir, digits_dir, cache):
         timeout=300,
     )
     (match,) = FIRST_STEP.findall(run.stdout + run.stderr)
-    seconds, hits, directory, saved, written = match
+    seconds, tracing, lowering, compiling, loaded, kept, hits, directory, saved, written = match
     assert directory == str(cache)
-    return float(seconds), int(hits), float(saved), int(written)
+    # The stages are parts of the time to the first step, each of which ran.
+    stages = [float(tracing), float(lowering), float(compiling)]
+    assert all(s > 0 for s in stages) and sum(stages) < float(seconds), match
+    records = [r for r in report.read_metrics(str(workdir)) if "train/loss" in r]
+    assert all("train/mfu" in r for r in records)  # the step's FLOPs still counted
+    losses = [r["train/loss"] for r in records]
+    return dict(
+        loaded=int(loaded), kept=int(kept), hits=int(hits), saved=float(saved),
+        written=int(written), losses=losses,
+    )  # fmt: skip
 
 
 def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     cache = tmp_path / "cache"
-    _, hits, saved, written = _train(tmp_path / "first", digits_dir, cache)
-    assert hits == 0 and saved == 0.0 and written >= 2  # at least the init and the train step
+    first = _train(tmp_path / "first", digits_dir, cache)
+    # At least the init and the train step compiled; the step also kept whole.
+    assert first["hits"] == 0 and first["saved"] == 0.0 and first["written"] >= 2
+    assert first["loaded"] == 0 and first["kept"] == 1
     entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
-    assert len(entries) >= 2  # a program compiled twice in one run is written once
+    assert len(entries - {executables.SUBDIRECTORY}) >= 2  # each program written once
 
-    _, hits, saved, written = _train(tmp_path / "second", digits_dir, cache)
-    assert written == 0, "the second run compiled a program the first had written"
-    # What the hits saved is not asserted: JAX subtracts the time reading took, which a loaded
-    # machine can make larger than the compile time.
-    assert hits >= 2
+    second = _train(tmp_path / "second", digits_dir, cache)
+    assert second["written"] == 0, "the second run compiled a program the first had written"
+    # The train step loaded as compiled, without tracing; the init from JAX's cache. What the
+    # hits saved is not asserted: JAX subtracts the time reading took, which a loaded machine can
+    # make larger than the compile time.
+    assert second["loaded"] == 1 and second["kept"] == 0 and second["hits"] >= 1
+    assert second["losses"] == first["losses"]  # the same program: the same values, bit for bit
 
 
 HOLD_LOCK = """
@@ -112,7 +128,7 @@ def test_the_users_cache_and_the_switch_are_respected(tmp_path, monkeypatch, cap
 PROGRAMS = """
 import json, warnings
 import jax, jax.numpy as jnp
-from attnjax.train import compilation_cache
+from attnjax.train import compilation_cache, executables, report
 compilation_cache.enable()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

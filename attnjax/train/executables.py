@@ -1,0 +1,229 @@
+"""Compiled programs kept across processes, found without tracing: a repeated or resumed run on
+the same machine loads its train and eval steps as they were compiled, in milliseconds.
+
+JAX's persistent compilation cache (``attnjax.train.compilation_cache``) is keyed by the lowered
+program, so a warm start still traces the Python and lowers it to MLIR before the cache can
+answer (benchmarks/results/first_step.md has the time of each stage). Here the key is what
+decides the program before any tracing:
+
+* the caller's ``identity``: the run's whole config and task (``identity_of``);
+* the versions of jax, jaxlib, flax, optax and chex, ``$XLA_FLAGS``, the ``ATTNJAX_*`` variables,
+  the jax settings that change programs (x64, matmul precision, PRNG), and a digest of attnjax's
+  own source files;
+* the backend, its device kind and count, and the process count;
+* the program's name, and the arguments' tree structure, shapes, dtypes and shardings.
+
+An entry is ``jax.experimental.serialize_executable``'s executable with its argument and result
+trees, written under a private name and renamed (concurrent runs see whole entries or none); an
+unreadable one is compiled again and replaced. Entries are read by the one process of a
+single-process run; a multi-process run compiles as without them. The directory:
+``$ATTNJAX_EXECUTABLE_CACHE`` (``off``, ``0``, ``false`` or ``no`` turns it off), else
+``attnjax-executables/`` inside the compilation cache's directory (``~/.cache/attnjax/jax`` by
+default; none where the compilation cache is off). It keeps at most
+``$ATTNJAX_EXECUTABLE_CACHE_MAX_GB`` (default 2) GiB, the least recently used entries removed
+first.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import pickle
+import uuid
+from typing import Any, Callable
+
+import jax
+from absl import logging
+from jax.experimental import serialize_executable
+
+from attnjax import compat
+from attnjax.train import compilation_cache
+
+ENV_DIR = "ATTNJAX_EXECUTABLE_CACHE"
+ENV_MAX_GB = "ATTNJAX_EXECUTABLE_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 2.0
+SUFFIX = ".executable"
+SUBDIRECTORY = "attnjax-executables"  # JAX's own cache reads only its files, not folders
+VERSIONED = ("jax", "jaxlib", "flax", "optax", "chex")
+# jax settings that change the program traced from the same Python.
+JAX_SETTINGS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+)
+
+_counts = {"loaded": 0, "written": 0}
+
+
+def directory() -> pathlib.Path | None:
+    """Where entries live, or None where the cache is off."""
+    choice = os.environ.get(ENV_DIR, "").strip()
+    if choice.lower() in compilation_cache.OFF:
+        return None
+    if choice:
+        return pathlib.Path(choice).expanduser()
+    jax_cache = compilation_cache.current_directory()
+    return pathlib.Path(jax_cache) / SUBDIRECTORY if jax_cache else None
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of attnjax's Python files (names and contents): an edit anywhere is a new key."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment() -> dict:
+    """What besides the caller's identity decides a compiled program."""
+    devices = jax.devices()
+    return {
+        "versions": {name: compat.version(name) for name in VERSIONED},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "attnjax_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("ATTNJAX_")},
+        "jax_settings": {name: str(getattr(jax.config, name, None)) for name in JAX_SETTINGS},
+        "source": source_digest(),
+        "backend": jax.default_backend(),
+        "devices": [devices[0].device_kind, len(devices), jax.process_count()],
+    }
+
+
+def identity_of(config, task=None) -> dict:
+    """A run's identity: its whole config (every field may reach a program), and the source of
+    ``task``'s module where it lives outside attnjax (``source_digest`` covers attnjax's own)."""
+    identity = {"config": json.loads(config.to_json_best_effort())}
+    path = pathlib.Path(getattr(task, "__file__", "") or "/")
+    if path.is_file() and pathlib.Path(__file__).resolve().parents[1] not in path.resolve().parents:
+        identity["task_source"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return identity
+
+
+def _signature(args) -> str:
+    def leaf(x):
+        sharding = getattr(x, "sharding", None)
+        dtype = str(getattr(x, "dtype", type(x).__name__))
+        weak = getattr(x, "weak_type", False)
+        return [
+            list(getattr(x, "shape", ())),
+            dtype,
+            weak,
+            None if sharding is None else repr(sharding),
+        ]
+
+    leaves, tree = jax.tree.flatten(args)
+    return json.dumps([str(tree), [leaf(x) for x in leaves]])
+
+
+def counts() -> dict:
+    """``{"loaded", "written"}``: entries this process read, and compiled and wrote."""
+    return dict(_counts)
+
+
+class ExecutableCache:
+    """Programs of one run: ``cached(name, jitted)`` stands in for the ``jax.jit`` function."""
+
+    def __init__(self, identity: dict, where: pathlib.Path | None = None):
+        self.directory = directory() if where is None else where
+        if jax.process_count() > 1:
+            self.directory = None
+        self._base = None
+        if self.directory is not None:
+            self._base = json.dumps({**identity, **environment()}, sort_keys=True, default=str)
+
+    def cached(self, name: str, jitted: Callable) -> Callable:
+        """``jitted`` (a ``jax.jit`` function), its programs read from and written to the cache,
+        one per argument signature."""
+        if self.directory is None:
+            return jitted
+        programs: dict[str, Callable] = {}
+
+        @functools.wraps(jitted)
+        def call(*args):
+            signature = _signature(args)
+            program = programs.get(signature)
+            if program is None:
+                program = programs[signature] = self._program(name, jitted, args, signature)
+            return program(*args)
+
+        # What else reads the program (the FLOP count for MFU, ahead-of-time compiles) traces it.
+        call.trace, call.lower = jitted.trace, jitted.lower
+        return call
+
+    def _program(self, name: str, jitted: Callable, args, signature: str) -> Callable:
+        key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
+        path = self.directory / f"{name}-{key[:32]}{SUFFIX}"
+        loaded = self._load(path)
+        if loaded is not None:
+            _counts["loaded"] += 1
+            return loaded
+        compiled = jitted.lower(*args).compile()
+        self._store(path, compiled)
+        return compiled
+
+    def _load(self, path: pathlib.Path):
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # a damaged or foreign entry: compiled again and replaced
+            logging.warning("compiled program %s unreadable (%s); compiling it again", path, error)
+            return None
+        os.utime(path)  # its last use, for the size bound
+        return program
+
+    def _store(self, path: pathlib.Path, compiled) -> None:
+        try:
+            entry = pickle.dumps(serialize_executable.serialize(compiled))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            private = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+            private.write_bytes(entry)
+            os.replace(private, path)
+        except Exception as error:  # a program the backend cannot serialise, a full disk
+            logging.warning("compiled program not kept in %s: %s", self.directory, error)
+            return
+        _counts["written"] += 1
+        _bound_size(self.directory)
+
+
+def _bound_size(where: pathlib.Path) -> None:
+    limit = float(os.environ.get(ENV_MAX_GB, DEFAULT_MAX_GB)) * 2**30
+    entries = []
+    for path in where.glob(f"*{SUFFIX}"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # removed by another process meanwhile
+            continue
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+
+
+def first_step_line() -> str:
+    """The loop's line after the first step: seconds since the process started, each stage's
+    share, and where the programs came from."""
+    age = compilation_cache.process_seconds()
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in compilation_cache.stage_seconds().items())
+    line = f"first step done{'' if age is None else f' {age:.1f} s after the process started'}"
+    c = counts()
+    return (
+        f"{line} ({stages}): {c['loaded']} compiled programs loaded, {c['written']} kept; "
+        f"{compilation_cache.summary()}"
+    )
+
+
+def cached_steps(identity: dict, train_step: Callable, eval_step: Callable) -> tuple[Any, Any]:
+    """``(train_step, eval_step)``, each ``cached`` under its name."""
+    cache = ExecutableCache(identity)
+    return cache.cached("train_step", train_step), cache.cached("eval_step", eval_step)

@@ -1,0 +1,134 @@
+"""attnjax/train/executables.py: a program found by its key runs without tracing the Python again,
+gives the values the traced program gives, and any change to the key (identity, source, flags,
+shapes) traces and compiles anew; a damaged entry is compiled again and replaced."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnjax.train import compilation_cache, executables
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(executables.ENV_DIR, str(tmp_path / "executables"))
+    return tmp_path / "executables"
+
+
+def counted_step():
+    """A jitted ``step(state, x)`` and the list of its tracings."""
+    traced = []
+
+    def step(state, x):
+        traced.append(x.shape)
+        new = {"w": jnp.tanh(state["w"] @ x), "n": state["n"] + 1}
+        return new, {"loss": jnp.mean(new["w"] ** 2)}
+
+    return jax.jit(step, donate_argnums=(0,)), traced
+
+
+def state():
+    return {"w": jnp.arange(16.0).reshape(4, 4) / 16, "n": jnp.int32(0)}
+
+
+def run(identity, x=None):
+    """Two steps of the program, cached under ``identity`` (None: not cached)."""
+    jitted, traced = counted_step()
+    step = (
+        jitted if identity is None else executables.ExecutableCache(identity).cached("step", jitted)
+    )
+    x = jnp.eye(4) * 0.5 if x is None else x
+    s, out = step(state(), x)
+    s, out = step(s, x)  # the same program again, in this process
+    return jax.device_get((s, out)), traced
+
+
+def test_a_second_process_loads_the_program_without_tracing_and_computes_the_same(cache_dir):
+    before = executables.counts()
+    first, traced = run({"config": {"lr": 1}})
+    assert traced == [(4, 4)]  # traced once for both calls
+    assert [p.suffix for p in cache_dir.iterdir()] == [executables.SUFFIX]
+    second, traced = run({"config": {"lr": 1}})
+    assert traced == []  # loaded: the Python was not traced
+    after = executables.counts()
+    assert after["written"] - before["written"] == 1 and after["loaded"] - before["loaded"] == 1
+    expected, _ = run(None)
+    for got in (first, second):
+        jax.tree.map(np.testing.assert_array_equal, got, expected)
+
+
+@pytest.mark.parametrize("change", ["identity", "source", "xla_flags", "dtype"])
+def test_any_change_in_the_key_traces_and_compiles_again(cache_dir, monkeypatch, change):
+    run({"config": {"lr": 1}})
+    x = None
+    identity = {"config": {"lr": 1}}
+    if change == "identity":
+        identity = {"config": {"lr": 2}}
+    elif change == "source":
+        monkeypatch.setattr(executables, "source_digest", lambda: "edited")
+    elif change == "xla_flags":
+        monkeypatch.setenv(
+            "XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false"
+        )
+    else:
+        x = jnp.eye(4, dtype=jnp.float16) * 0.5
+    _, traced = run(identity, x)
+    assert len(traced) == 1
+    assert len(list(cache_dir.iterdir())) == 2
+
+
+def test_the_cached_step_still_traces_and_lowers_for_whoever_reads_its_program(cache_dir):
+    jitted, traced = counted_step()
+    step = executables.ExecutableCache({}).cached("step", jitted)
+    jaxpr = step.trace(state(), jnp.eye(4)).jaxpr  # what the FLOP count for MFU reads
+    assert "tanh" in str(jaxpr) and traced == [(4, 4)]
+    assert "tanh" in step.lower(state(), jnp.eye(4)).as_text()
+
+
+def test_a_damaged_entry_is_compiled_again_and_replaced(cache_dir):
+    first, _ = run({"config": {}})
+    (entry,) = cache_dir.iterdir()
+    entry.write_bytes(entry.read_bytes()[:100])  # cut short
+    second, traced = run({"config": {}})
+    assert traced == [(4, 4)]
+    jax.tree.map(np.testing.assert_array_equal, second, first)
+    _, traced = run({"config": {}})
+    assert traced == []  # the replacement loads
+
+
+def test_off_leaves_the_jitted_function_as_it_is(monkeypatch, tmp_path):
+    monkeypatch.setenv(executables.ENV_DIR, "off")
+    jitted, _ = counted_step()
+    assert executables.ExecutableCache({}).cached("step", jitted) is jitted
+    # By default the entries live in the compilation cache's directory, and without it, nowhere.
+    monkeypatch.delenv(executables.ENV_DIR)
+    monkeypatch.setattr(compilation_cache, "current_directory", lambda: str(tmp_path))
+    assert executables.directory() == tmp_path / executables.SUBDIRECTORY
+    monkeypatch.setattr(compilation_cache, "current_directory", lambda: None)
+    assert executables.ExecutableCache({}).cached("step", jitted) is jitted
+
+
+def test_the_directory_is_kept_under_its_size_bound(cache_dir, monkeypatch):
+    monkeypatch.setenv(executables.ENV_MAX_GB, "0")  # every entry past the bound once written
+    run({"config": {}})
+    assert list(cache_dir.iterdir()) == []
+
+
+def test_a_task_outside_attnjax_is_keyed_by_its_source(tmp_path):
+    from ml_collections import ConfigDict
+
+    from attnjax.tasks import classification
+
+    config = ConfigDict({"task": "mine", "lr": 0.1})
+    assert executables.identity_of(config, classification) == {
+        "config": {"task": "mine", "lr": 0.1}
+    }
+    module = tmp_path / "my_task.py"
+    module.write_text("STEP = 1\n")
+    task = type("Task", (), {"__file__": str(module)})
+    first = executables.identity_of(config, task)["task_source"]
+    module.write_text("STEP = 2\n")
+    assert executables.identity_of(config, task)["task_source"] != first
