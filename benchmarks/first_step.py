@@ -4,9 +4,11 @@ same first step eagerly (timm's ViT, taming's VQGAN and GPT; benchmarks/first_st
 
     python benchmarks/first_step.py [--rows vit_digits,vqgan_digits,prior_digits,vit_b16]
 
-Each attnjax row runs twice in fresh processes: cold (an empty ``$XDG_CACHE_HOME``: no compiled
-program and no CPU kernel choice cached, a machine's first run) and warm (the same cache
-directory, a new workdir: a repeated or resumed run). The time is measured from here, from the
+Each attnjax row runs three times in fresh processes: cold (an empty ``$XDG_CACHE_HOME``: no
+compiled program and no CPU kernel choice cached, a machine's first run), warm (the same cache
+directory, a new workdir: a repeated or resumed run, its steps loaded as compiled), and warm with
+``ATTNJAX_EXECUTABLE_CACHE=off`` (JAX's persistent cache alone: every program traced and lowered
+again). The time is measured from here, from the
 moment the process is started to the line the loop prints after the first step; the process is
 then stopped. Where the time goes is read from train.py's own line and from ``-X importtime``.
 ViT-B/16 at 224 px reads a folder of random 256 px JPEGs (``folder:`` source), batch 8.
@@ -142,17 +144,30 @@ def import_seconds(env: dict) -> float:
     return time.perf_counter() - start
 
 
+def stages(line: str) -> dict:
+    """``{"tracing": s, "lowering": s, "compiling": s}`` from the loop's first-step line."""
+    match = FIRST_STEP.match(line)
+    parts = (match.group(2) or "").split(", ") if match else []
+    return {k: float(v.removesuffix(" s")) for k, v in (p.split(" ", 1) for p in parts if p)}
+
+
 def row(name: str, directory: pathlib.Path, inputs) -> dict:
     description, flags, batch = ROWS[name]
     data_dir, vqgan, folder = inputs
     cache_home = str(directory / f"cache_{name}")
     result = dict(name=name, description=description)
-    for kind in ("cold", "warm"):
+    # warm_traced: the same warm start with no kept executables, JAX's persistent cache alone
+    # (every program traced and lowered again before the cache answers).
+    for kind in ("cold", "warm", "warm_traced"):
         workdir = str(directory / f"run_{name}_{kind}")
         command = jax_command(flags, workdir, data_dir, folder, vqgan)
-        seconds, line = timed_until_first_step(command, environment(cache_home))
+        env = environment(cache_home)
+        if kind == "warm_traced":
+            env["ATTNJAX_EXECUTABLE_CACHE"] = "off"
+        seconds, line = timed_until_first_step(command, env)
         result[f"attnjax_{kind}"] = round(seconds, 2)
         result[f"attnjax_{kind}_line"] = line
+        result[f"attnjax_{kind}_stages"] = stages(line)
         print(f"{name} attnjax {kind}: {seconds:.1f} s  ({line})", flush=True)
     torch_command = [sys.executable, "benchmarks/first_step_torch.py", name, str(batch)]
     seconds, line = timed_until_first_step(torch_command, environment(cache_home))
@@ -182,6 +197,32 @@ def table(rows: list[dict], machine: dict) -> str:
             f"{r['torch']:.1f} | {r['attnjax_cold'] / r['torch']:.2f} | "
             f"{r['attnjax_warm'] / r['torch']:.2f} |"
         )
+    lines += [
+        "",
+        "Warm: the train and eval steps loaded as compiled (attnjax/train/executables.py), the "
+        "other programs from JAX's persistent cache. Warm, traced: the same start with "
+        "`ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and lowered before JAX's cache "
+        "answers (what a warm start was before).",
+        "",
+        "Where each start's time goes (seconds; JAX's own timings of its stages, summed over the "
+        "process up to the first step; imports as above; the rest is the config, data pipeline, "
+        "initial state, workdir and the step itself):",
+        "",
+        "| workload | start | total | imports | tracing | lowering | compiling | rest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for kind, label in (("cold", "cold"), ("warm", "warm"), ("warm_traced", "warm, traced")):
+            if f"attnjax_{kind}" not in r:
+                continue
+            total, parts = r[f"attnjax_{kind}"], r.get(f"attnjax_{kind}_stages", {})
+            spent = [parts.get(k, float("nan")) for k in ("tracing", "lowering", "compiling")]
+            rest = total - machine["import_seconds"] - sum(spent)
+            lines.append(
+                f"| {r['description']} | {label} | {total:.1f} | {machine['import_seconds']:.1f} | "
+                + " | ".join(f"{x:.1f}" for x in spent)
+                + f" | {rest:.1f} |"
+            )
     return "\n".join(lines)
 
 
