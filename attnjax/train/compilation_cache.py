@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import time
 
 import filelock
 import jax
@@ -149,17 +148,14 @@ def summary() -> str:
 def process_seconds() -> float | None:
     """Seconds since this process started (its interpreter's start, imports included), from
     /proc; None where there is no /proc."""
+    # Both clocks count from boot (the boot time itself is whole seconds only: up to 1 s off).
     try:
         fields = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         started_ticks = int(fields[19])  # field 22 of stat(5), counted after the command name
-        boot = next(
-            float(line.split()[1])
-            for line in pathlib.Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-    except (OSError, ValueError, IndexError, StopIteration):
+        uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _listen() -> None:
