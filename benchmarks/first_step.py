@@ -206,7 +206,9 @@ def table(rows: list[dict], machine: dict) -> str:
         "",
         "Where each start's time goes (seconds; JAX's own timings of its stages, summed over the "
         "process up to the first step; imports as above; the rest is the config, data pipeline, "
-        "initial state, workdir and the step itself):",
+        "initial state, workdir and the step itself; CPU kernel choices timed while a program "
+        "is traced compile inside the tracing, so on a cold start the stages overlap and the rest "
+        "can come out below zero):",
         "",
         "| workload | start | total | imports | tracing | lowering | compiling | rest |",
         "|---|---|---|---|---|---|---|---|",
