@@ -60,3 +60,13 @@ def xla_backends_started() -> bool:
 def version(package: str) -> str:
     """The installed version of ``package``, as its metadata says."""
     return importlib.metadata.version(package)
+
+
+def executable_device_ids(compiled) -> list[int] | None:
+    """The ids of the devices a ``jax.stages.Compiled`` runs on, in its device assignment's
+    order (what loading its serialized form needs: by default that loads onto every device of
+    the backend), or None where this jax keeps them elsewhere. jax has no public accessor."""
+    try:
+        return [device.id for device in compiled._executable.xla_executable.local_devices()]
+    except AttributeError:
+        return None

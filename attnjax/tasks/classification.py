@@ -29,7 +29,7 @@ from attnjax.data.images import save_labelled_grid
 from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
 from attnjax.ops import positional
-from attnjax.train import checkpoint, optim, precision, sharding
+from attnjax.train import checkpoint, executables, optim, precision, sharding
 
 MODELS = {"vit": vit.create_vit}
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
@@ -188,7 +188,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     images = jnp.asarray(example_batch["image"][:1])
-    params = jax.jit(lambda r: model.init(r, images, train=False))(rng)["params"]
+    init = lambda r, x: model.init(r, x, train=False)["params"]
+    params = executables.jit(config, "init", init)(rng, images)
     params = load_pretrained(config, model, params)
     tx = make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
@@ -196,7 +197,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=jax.jit(tx.init)(params),
+        opt_state=executables.jit(config, "optimizer_init", tx.init)(params),
         ema_params=ema,
     )
 

@@ -42,7 +42,7 @@ from attnjax.tasks.vqgan_codes import TrainedVQGAN as TrainedVQGAN
 from attnjax.tasks.vqgan_codes import encode_split, load_vqgan
 from attnjax.tasks.vqgan_codes import first_codes as first_codes
 from attnjax.tasks.vqgan_codes import load_images as load_images
-from attnjax.train import optim, precision, sharding
+from attnjax.train import executables, optim, precision, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model_name", "model")
@@ -157,13 +157,13 @@ def _check_labels(config, *label_arrays):
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     image_metrics.check_config(config)  # before training, not after it
     codes = jnp.asarray(example_batch["codes"][:1])
-    params = jax.jit(lambda r: model.init(r, codes))(rng)["params"]
+    params = executables.jit(config, "init", lambda r, x: model.init(r, x)["params"])(rng, codes)
     tx = optim.make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=jax.jit(tx.init)(params),
+        opt_state=executables.jit(config, "optimizer_init", tx.init)(params),
         ema_params=ema,
     )
 

@@ -61,7 +61,7 @@ from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
 from attnjax.tasks import image_metrics
-from attnjax.train import optim, precision, sharding
+from attnjax.train import executables, optim, precision, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model",)
@@ -175,16 +175,21 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     image_metrics.check_config(config)  # before training, not after it
     images = jnp.asarray(example_batch["image"])
     ae_rng, disc_rng = jax.random.split(rng)
-    variables = jax.jit(lambda r: model["autoencoder"].init(r, images[:1]))(ae_rng)
+    init = executables.jit(config, "init", model["autoencoder"].init)
+    variables = init(ae_rng, images[:1])
     params = {"autoencoder": variables["params"], "discriminator": None}
     tx, disc_tx = _optimizers(config)
     disc_opt_state = batch_stats = lpips_params = None
     if model["discriminator"] is not None:
         # A whole batch: ActNorm initialises itself from its statistics, as taming's does.
-        disc_vars = jax.jit(model["discriminator"].init)(disc_rng, images)
+        disc_vars = executables.jit(config, "discriminator_init", model["discriminator"].init)(
+            disc_rng, images
+        )
         params["discriminator"] = disc_vars["params"]
         batch_stats = disc_vars.get("batch_stats", {})
-        disc_opt_state = jax.jit(disc_tx.init)(params["discriminator"])
+        disc_opt_state = executables.jit(config, "discriminator_optimizer_init", disc_tx.init)(
+            params["discriminator"]
+        )
     if model["lpips"] is not None:
         lpips_params = lpips.load_variables(config.lpips.weights)
         logging.info("LPIPS weights from %s", config.lpips.weights)
@@ -192,7 +197,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         step=jnp.zeros((), jnp.int32),
         params=params,
         quantizer_state=variables.get("vq_state", {}),
-        opt_state=jax.jit(tx.init)(params["autoencoder"]),
+        opt_state=executables.jit(config, "optimizer_init", tx.init)(params["autoencoder"]),
         disc_opt_state=disc_opt_state,
         batch_stats=batch_stats,
         lpips_params=lpips_params,

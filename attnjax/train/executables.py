@@ -14,8 +14,11 @@ decides the program before any tracing:
 * the program's name, and the arguments' tree structure, shapes, dtypes and shardings.
 
 An entry is ``jax.experimental.serialize_executable``'s executable with its argument and result
-trees, written under a private name and renamed (concurrent runs see whole entries or none); an
-unreadable one is compiled again and replaced. Entries are read by the one process of a
+trees and the devices it was compiled for, written under a private name and renamed (concurrent
+runs see whole entries or none); an unreadable one is compiled again and replaced. A program that
+JAX's persistent cache already held is not kept (XLA:CPU serialises an executable it read back
+without its code): it is kept by the first run that compiles it, after a change of versions,
+flags or the program itself. Entries are read by the one process of a
 single-process run; a multi-process run compiles as without them. The directory:
 ``$ATTNJAX_EXECUTABLE_CACHE`` (``off``, ``0``, ``false`` or ``no`` turns it off), else
 ``attnjax-executables/`` inside the compilation cache's directory (``~/.cache/attnjax/jax`` by
@@ -146,6 +149,8 @@ class ExecutableCache:
 
         @functools.wraps(jitted)
         def call(*args):
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+                return jitted(*args)  # inside another trace (jax.eval_shape): inlined there
             signature = _signature(args)
             program = programs.get(signature)
             if program is None:
@@ -159,18 +164,33 @@ class ExecutableCache:
     def _program(self, name: str, jitted: Callable, args, signature: str) -> Callable:
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
         path = self.directory / f"{name}-{key[:32]}{SUFFIX}"
-        loaded = self._load(path)
+        loaded = self._load(path, args)
         if loaded is not None:
             _counts["loaded"] += 1
             return loaded
+        hits = compilation_cache.counts()["hits"]
         compiled = jitted.lower(*args).compile()
+        if compilation_cache.counts()["hits"] > hits:
+            # Read back from JAX's own cache: XLA:CPU serialises such an executable without its
+            # code (loading it fails with "Function ... not found"), so it is not kept.
+            return compiled
         self._store(path, compiled)
         return compiled
 
-    def _load(self, path: pathlib.Path):
+    def _load(self, path: pathlib.Path, args):
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            platform = _platform(args)
+            devices = {d.id: d for d in jax.devices(platform)}
+            program = serialize_executable.deserialize_and_load(
+                payload,
+                in_tree,
+                out_tree,
+                backend=platform,
+                execution_devices=None if device_ids is None else [devices[i] for i in device_ids],
+            )
+            if not _device_ids(program.input_shardings) <= _device_ids(args):
+                raise ValueError("compiled for other devices than its arguments are on")
         except FileNotFoundError:
             return None
         except Exception as error:  # a damaged or foreign entry: compiled again and replaced
@@ -181,7 +201,8 @@ class ExecutableCache:
 
     def _store(self, path: pathlib.Path, compiled) -> None:
         try:
-            entry = pickle.dumps(serialize_executable.serialize(compiled))
+            device_ids = compat.executable_device_ids(compiled)
+            entry = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
             path.parent.mkdir(parents=True, exist_ok=True)
             private = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
             private.write_bytes(entry)
@@ -191,6 +212,28 @@ class ExecutableCache:
             return
         _counts["written"] += 1
         _bound_size(self.directory)
+
+
+def _platform(args) -> str | None:
+    """The platform the arguments live on (an initial state computed on the host CPU beside a
+    GPU): the backend that loads their program."""
+    for leaf in jax.tree.leaves(args):
+        devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+        if devices:
+            return next(iter(devices)).platform
+    return None
+
+
+def _device_ids(tree) -> set[int]:
+    """The ids of the devices the placed leaves of ``tree`` (arrays, shardings) are on."""
+    ids = set()
+    for leaf in jax.tree.leaves(tree):
+        sharding = (
+            leaf if isinstance(leaf, jax.sharding.Sharding) else getattr(leaf, "sharding", None)
+        )
+        if sharding is not None:
+            ids.update(d.id for d in sharding.device_set)
+    return ids
 
 
 def _bound_size(where: pathlib.Path) -> None:
@@ -221,6 +264,13 @@ def first_step_line() -> str:
         f"{line} ({stages}): {c['loaded']} compiled programs loaded, {c['written']} kept; "
         f"{compilation_cache.summary()}"
     )
+
+
+def jit(config, name: str, fn: Callable, **jit_options) -> Callable:
+    """``jax.jit(fn, **jit_options)``, its programs kept under ``name`` for runs of ``config``.
+    ``fn`` must close over no array: the key sees the arguments, not what ``fn`` captured (pass
+    the arrays as arguments)."""
+    return ExecutableCache(identity_of(config)).cached(name, jax.jit(fn, **jit_options))
 
 
 def cached_steps(identity: dict, train_step: Callable, eval_step: Callable) -> tuple[Any, Any]:

@@ -52,13 +52,14 @@ def _train(workdir, digits_dir, cache):
     (match,) = FIRST_STEP.findall(run.stdout + run.stderr)
     seconds, tracing, lowering, compiling, loaded, kept, hits, directory, saved, written = match
     assert directory == str(cache)
-    # The stages are parts of the time to the first step, each of which ran.
+    # The stages are parts of the time to the first step.
     stages = [float(tracing), float(lowering), float(compiling)]
-    assert all(s > 0 for s in stages) and sum(stages) < float(seconds), match
+    assert all(s >= 0 for s in stages) and sum(stages) < float(seconds), match
     records = [r for r in report.read_metrics(str(workdir)) if "train/loss" in r]
     assert all("train/mfu" in r for r in records)  # the step's FLOPs still counted
     losses = [r["train/loss"] for r in records]
     return dict(
+        stages=stages,
         loaded=int(loaded), kept=int(kept), hits=int(hits), saved=float(saved),
         written=int(written), losses=losses,
     )  # fmt: skip
@@ -67,18 +68,16 @@ def _train(workdir, digits_dir, cache):
 def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     cache = tmp_path / "cache"
     first = _train(tmp_path / "first", digits_dir, cache)
-    # At least the init and the train step compiled; the step also kept whole.
+    # At least the init and the train step compiled; they and the optimiser's init also kept whole.
     assert first["hits"] == 0 and first["saved"] == 0.0 and first["written"] >= 2
-    assert first["loaded"] == 0 and first["kept"] == 1
+    assert first["loaded"] == 0 and first["kept"] == 3 and min(first["stages"]) > 0
     entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
     assert len(entries - {executables.SUBDIRECTORY}) >= 2  # each program written once
 
     second = _train(tmp_path / "second", digits_dir, cache)
     assert second["written"] == 0, "the second run compiled a program the first had written"
-    # The train step loaded as compiled, without tracing; the init from JAX's cache. What the
-    # hits saved is not asserted: JAX subtracts the time reading took, which a loaded machine can
-    # make larger than the compile time.
-    assert second["loaded"] == 1 and second["kept"] == 0 and second["hits"] >= 1
+    # The inits and the train step loaded as compiled, without tracing.
+    assert second["loaded"] == 3 and second["kept"] == 0
     assert second["losses"] == first["losses"]  # the same program: the same values, bit for bit
 
 

@@ -88,6 +88,14 @@ def test_the_cached_step_still_traces_and_lowers_for_whoever_reads_its_program(c
     assert "tanh" in step.lower(state(), jnp.eye(4)).as_text()
 
 
+def test_inside_another_trace_the_step_is_traced_as_a_plain_jit(cache_dir):
+    jitted, traced = counted_step()
+    step = executables.ExecutableCache({}).cached("step", jitted)
+    shapes = jax.eval_shape(step, state(), jnp.eye(4))
+    assert shapes[1]["loss"].shape == () and traced == [(4, 4)]
+    assert list(cache_dir.glob("*")) == []  # nothing compiled or kept
+
+
 def test_a_damaged_entry_is_compiled_again_and_replaced(cache_dir):
     first, _ = run({"config": {}})
     (entry,) = cache_dir.iterdir()
@@ -132,3 +140,66 @@ def test_a_task_outside_attnjax_is_keyed_by_its_source(tmp_path):
     first = executables.identity_of(config, task)["task_source"]
     module.write_text("STEP = 2\n")
     assert executables.identity_of(config, task)["task_source"] != first
+
+
+# Runs a one-device program under the cache in a process with two CPU devices -> its result.
+ONE_DEVICE_OF_TWO = """
+import sys, jax, jax.numpy as jnp
+from attnjax.train import executables
+assert len(jax.devices()) == 2
+init = jax.jit(lambda r, x: x * 2 + jax.random.normal(r, x.shape))
+step = executables.ExecutableCache({"config": {}}).cached("init", init)
+print(float(step(jax.random.key(0), jnp.ones(3)).sum()), executables.counts())
+"""
+
+
+def test_a_program_of_one_device_among_several_loads_onto_that_device(cache_dir):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", ONE_DEVICE_OF_TWO], env=env, capture_output=True, text=True
+        )
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    (first, written), (second, loaded) = (r.stdout.split(" ", 1) for r in runs)
+    assert first == second and "'written': 1" in written and "'loaded': 1" in loaded
+
+
+# A program run under the cache, with JAX's persistent cache in argv[1] -> its result and counts.
+WITH_JAX_CACHE = """
+import sys, jax, jax.numpy as jnp
+from attnjax.train import compilation_cache, executables
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+compilation_cache.enable()
+
+def chain(x):
+    for i in range(20):
+        x = jnp.sin(x[::-1] * 1.1 + i) @ x
+    return x
+
+step = executables.ExecutableCache({"config": {}}).cached("chain", jax.jit(chain))
+print(float(step(jnp.eye(16) / 4).sum()), executables.counts(), compilation_cache.counts())
+"""
+
+
+def test_a_program_read_back_from_jaxs_cache_is_not_kept(cache_dir, tmp_path):
+    import subprocess
+    import sys
+
+    def run(executable_cache):
+        env = {**os.environ, executables.ENV_DIR: executable_cache}
+        command = [sys.executable, "-c", WITH_JAX_CACHE, str(tmp_path / "jax")]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split(" ", 1)
+
+    value, _ = run("off")  # JAX's cache now holds the program
+    again, counts = run(str(cache_dir))
+    assert "'hits': 0" not in counts  # read back from JAX's cache
+    assert again == value and "'written': 0" in counts  # not kept: it could not be loaded back
+    assert not cache_dir.exists() or not list(cache_dir.iterdir())
