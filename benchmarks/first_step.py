@@ -199,8 +199,8 @@ def table(rows: list[dict], machine: dict) -> str:
         )
     lines += [
         "",
-        "Warm: the train and eval steps loaded as compiled (attnjax/train/executables.py), the "
-        "other programs from JAX's persistent cache. Warm, traced: the same start with "
+        "Warm: the initial state's programs and the train and eval steps loaded as compiled "
+        "(attnjax/train/executables.py), the other programs from JAX's persistent cache. Warm, traced: the same start with "
         "`ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and lowered before JAX's cache "
         "answers (what a warm start was before).",
         "",
