@@ -138,16 +138,8 @@ FLAGS = [
 
 
 def train_command(workdir, digits_dir):
-    return [
-        sys.executable,
-        "train.py",
-        "--config",
-        "configs/vit_digits.py",
-        "--workdir",
-        workdir,
-        f"--config.data.data_dir={digits_dir}",
-        *FLAGS,
-    ]
+    config = ["--config", "configs/vit_digits.py", f"--config.data.data_dir={digits_dir}"]
+    return [sys.executable, "train.py", *config, "--workdir", workdir, *FLAGS]
 
 
 def checkpoint_steps(workdir) -> list[int]:
