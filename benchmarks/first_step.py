@@ -200,9 +200,9 @@ def table(rows: list[dict], machine: dict) -> str:
     lines += [
         "",
         "Warm: the initial state's programs and the train and eval steps loaded as compiled "
-        "(attnjax/train/executables.py), the other programs from JAX's persistent cache. Warm, traced: the same start with "
-        "`ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and lowered before JAX's cache "
-        "answers (what a warm start was before).",
+        "(attnjax/train/executables.py), the other programs from JAX's persistent cache. Warm, "
+        "traced: the same start with `ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and "
+        "lowered before JAX's cache answers (what a warm start was before).",
         "",
         "Where each start's time goes (seconds; JAX's own timings of its stages, summed over the "
         "process up to the first step; imports as above; the rest is the config, data pipeline, "
