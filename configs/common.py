@@ -28,7 +28,9 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.eval_batch_size = 0  # 0: batch_size
     config.num_train_steps = 1000
     config.parallel = "jit"  # or "pmap"
-    config.mesh = {"data": -1, "fsdp": 1}  # devices per axis; fsdp > 1 splits the parameters
+    # Devices per axis: fsdp > 1 splits the parameters, model > 1 the heads, MLP units and
+    # vocabulary (tensor parallelism; attnjax/train/sharding.py).
+    config.mesh = {"data": -1, "fsdp": 1, "model": 1}
     config.distributed = False  # True on multi-host clusters
     config.heartbeat_timeout_seconds = 300  # a process silent this long is declared dead
     # A run's workdir lock not renewed this long is taken over, whatever its host (a recreated

@@ -39,11 +39,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention
 
 Array = jax.Array
 _INIT = nn.initializers.normal(stddev=0.02)  # minGPT's init for Linear and Embedding weights
 _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
+# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# mesh): the attention's, the MLP's hidden units, and the vocabulary of the embedding and head.
+PARAM_AXES = ATTENTION_AXES + (
+    (r"(^|/)mlp/fc1/kernel$", ("embed", "mlp")),
+    (r"(^|/)mlp/fc1/bias$", ("mlp",)),
+    (r"(^|/)mlp/fc2/kernel$", ("mlp", "embed")),
+    (r"(^|/)mlp/fc2/bias$", ("embed",)),
+    (r"(^|/)tok_emb/embedding$", ("vocab", "embed")),
+    (r"(^|/)head/kernel$", ("embed", "vocab")),
+)
 
 
 class GPTMlp(nn.Module):
@@ -87,7 +98,9 @@ class Block(nn.Module):
         x = x + nn.Dropout(self.resid_pdrop)(y, deterministic=deterministic)
         y = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln2")(x)
         mlp = GPTMlp(self.resid_pdrop, dtype=self.dtype, name="mlp")
-        return x + mlp(y, deterministic=deterministic)
+        x = x + mlp(y, deterministic=deterministic)
+        # The residual stream stays split by the batch (attnjax.train.sharding's activation rules).
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
 class GPT(nn.Module):

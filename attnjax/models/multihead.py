@@ -16,6 +16,15 @@ from attnjax.ops.masks import check_mask_shape, combine_masks
 
 Array = jax.Array
 
+# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# mesh): the projections into the heads by columns, the one out of them by rows.
+PARAM_AXES = (
+    (r"(^|/)(query|key|value)/kernel$", ("embed", "heads")),
+    (r"(^|/)(query|key|value)/bias$", ("heads",)),
+    (r"(^|/)out/kernel$", ("heads", "embed")),
+    (r"(^|/)out/bias$", ("embed",)),
+)
+
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Linen) with PyTorch ``nn.MultiheadAttention``'s parameterisation.

@@ -27,7 +27,17 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention
+
+# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# mesh): the attentions', and the feed-forward's hidden units.
+PARAM_AXES = ATTENTION_AXES + (
+    (r"(^|/)linear1/kernel$", ("embed", "mlp")),
+    (r"(^|/)linear1/bias$", ("mlp",)),
+    (r"(^|/)linear2/kernel$", ("mlp", "embed")),
+    (r"(^|/)linear2/bias$", ("embed",)),
+)
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu": lambda x: nn.gelu(x, approximate=False)}
 _LAYER_FIELDS = (
@@ -84,6 +94,12 @@ class _TransformerSettings(nn.Module):
 
     _from_batch_first = _to_batch_first
 
+    @staticmethod
+    def _constrained(x):
+        """A layer's batch-first output: split by the batch (attnjax.train.sharding's activation
+        rules)."""
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
     def _layer_norm(self, name: str):
         return nn.LayerNorm(
             epsilon=self.layer_norm_eps,
@@ -134,7 +150,7 @@ class TransformerEncoderLayer(_TransformerSettings):
         else:
             x = norm1(x + self_attention(x))
             x = norm2(x + self._feed_forward(x, deterministic))
-        return self._from_batch_first(x)
+        return self._from_batch_first(self._constrained(x))
 
 
 class TransformerDecoderLayer(_TransformerSettings):
@@ -178,7 +194,7 @@ class TransformerDecoderLayer(_TransformerSettings):
             x = norm1(x + self_attention(x))
             x = norm2(x + cross_attention(x))
             x = norm3(x + self._feed_forward(x, deterministic))
-        return self._from_batch_first(x)
+        return self._from_batch_first(self._constrained(x))
 
 
 class TransformerEncoder(_TransformerSettings):

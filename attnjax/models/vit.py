@@ -32,12 +32,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention
 from attnjax.models.patches import pair, patchify
 from attnjax.models.position_embedding import LearnedPositionEmbedding
 from attnjax.ops.positional import sincos_2d_encoding
 
 Array = jax.Array
+
+# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# mesh): the attention's, and the MLP's hidden units; the rest has none.
+PARAM_AXES = ATTENTION_AXES + (
+    (r"(^|/)mlp/fc1/kernel$", ("embed", "mlp")),
+    (r"(^|/)mlp/fc1/bias$", ("mlp",)),
+    (r"(^|/)mlp/fc2/kernel$", ("mlp", "embed")),
+    (r"(^|/)mlp/fc2/bias$", ("embed",)),
+)
 
 # Standard sizes (Dosovitskiy et al. 2021; Ti from DeiT): width, depth, MLP size, heads.
 _SIZES = {
@@ -156,7 +166,9 @@ class EncoderBlock(nn.Module):
             param_dtype=self.param_dtype,
             name="mlp",
         )(y)
-        return x + self._drop_path(y, drop_path_rate), weights
+        x = x + self._drop_path(y, drop_path_rate)
+        # The residual stream stays split by the batch (attnjax.train.sharding's activation rules).
+        return nn.with_logical_constraint(x, ("batch", "length", "embed")), weights
 
 
 class ViT(nn.Module):

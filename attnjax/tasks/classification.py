@@ -36,8 +36,13 @@ MODELS = {"vit": vit.create_vit}
 IDENTITY_FIELDS = ("model_name", "model")
 # Train-state fields besides the params that inference needs: none, the ViT keeps no statistics.
 VARIABLE_FIELDS = ()
-# Every array split over the fsdp axis, scalars and the class-count head bias whole.
-SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
+# Every array split over the fsdp axis, scalars and the class-count head bias whole; with a
+# model axis, the attention and MLP layers split over it by their logical axes (Megatron's layout).
+SHARDING_RULES = (
+    sharding.WHOLE_SCALARS,
+    *sharding.logical_rules(vit.PARAM_AXES),
+    sharding.SPLIT_REST,
+)
 
 
 TrainState = optim.TrainState
@@ -187,6 +192,11 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:
+    sharding.check_model_axis(
+        config,
+        num_heads=model.num_heads,
+        mlp_dim=model.mlp_dim or int(model.width * model.mlp_ratio),
+    )
     images = jnp.asarray(example_batch["image"][:1])
     init = lambda r, x: model.init(r, x, train=False)["params"]
     params = executables.jit(config, "init", init)(rng, images)

@@ -46,8 +46,13 @@ from attnjax.train import executables, optim, precision, sharding
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model_name", "model")
-# Every array split over the fsdp axis, scalars and step counters whole.
-SHARDING_RULES = (sharding.WHOLE_SCALARS, sharding.SPLIT_REST)
+# Every array split over the fsdp axis, scalars and step counters whole; with a model axis, the
+# attention, MLP, embedding and head split over it by their logical axes (Megatron's layout).
+SHARDING_RULES = (
+    sharding.WHOLE_SCALARS,
+    *sharding.logical_rules(gpt.PARAM_AXES),
+    sharding.SPLIT_REST,
+)
 
 TrainState = optim.TrainState
 
@@ -156,6 +161,9 @@ def _check_labels(config, *label_arrays):
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     image_metrics.check_config(config)  # before training, not after it
+    sharding.check_model_axis(  # minGPT's MLP is 4 x n_embd wide
+        config, n_head=model.n_head, mlp_dim=4 * model.n_embd, vocab_size=model.vocab_size
+    )
     codes = jnp.asarray(example_batch["codes"][:1])
     params = executables.jit(config, "init", lambda r, x: model.init(r, x)["params"])(rng, codes)
     tx = optim.make_optimizer(config)

@@ -27,6 +27,7 @@ import importlib.metadata
 import os
 from typing import Callable, Iterator
 
+import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
@@ -388,11 +389,16 @@ class DataParallel:
     def traced_on_mesh(self, fn: Callable) -> Callable:
         """``fn`` traced with the mesh set (``jax.sharding.use_abstract_mesh``): kernels XLA
         cannot partition (Pallas TPU attention, ``attnjax.ops.splash``) find it and run under
-        a ``shard_map`` over the batch."""
+        a ``shard_map`` over the batch; and with the activation axis rules set
+        (``sharding.activation_axis_rules``), which the models' logical constraints follow."""
 
         @functools.wraps(fn)
         def on_mesh(*args, **kwargs):
-            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            rules = sharding.activation_axis_rules(self.mesh)
+            with (
+                jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh),
+                nn.logical_axis_rules(rules),
+            ):
                 return fn(*args, **kwargs)
 
         return on_mesh

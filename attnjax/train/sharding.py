@@ -1,25 +1,34 @@
 """Device meshes and partition rules: how a train state is laid out over devices, declared.
 
-A mesh is a config field, ``config.mesh = {"data": -1, "fsdp": 1}`` (axis name -> size; one
-size may be -1, "the devices left over"). Axes:
+A mesh is a config field, ``config.mesh = {"data": -1, "fsdp": 1, "model": 1}`` (axis name ->
+size; one size may be -1, "the devices left over"). Axes:
 
 * ``data``: the batch is split along it, parameters are replicated over it.
 * ``fsdp``: the batch is split along it too, and every array a rule marks ``FSDP`` is split
   along its largest dimension that divides evenly (parameters, their optimiser moments and
   their EMA alike), so each device holds ``1 / fsdp`` of them. XLA gathers a weight before
   the layer that uses it and reduce-scatters its gradient.
-* ``model``: parameters only, through explicit ``PartitionSpec`` rules (tensor parallelism);
-  the batch is replicated over it.
+* ``model``: tensor parallelism in Megatron-LM's layout; the batch is replicated over it. A
+  parameter whose rule gives it logical axis names (``Logical``) is split over it along its
+  ``heads``, ``mlp`` or ``vocab`` dimension (``LOGICAL_AXIS_RULES``): q/k/v and the first MLP
+  layer by columns, the attention output and the second MLP layer by rows, the embedding and the
+  logits' layer by the vocabulary. Its ``embed`` dimension then goes over ``fsdp`` where that
+  divides it. Each attention and MLP block then all-reduces its output
+  forward and its input gradient backward, and no weight moves between the ``model`` devices.
 
 Partition rules (big_vision's style) are ``(regex, spec)`` pairs matched with ``re.search``
 against a leaf's "/"-joined path in the whole train state, the first match wins:
 ``params/blocks_0/mlp/fc1/kernel`` and its Adam moment
 ``opt_state/1/0/mu/blocks_0/mlp/fc1/kernel`` hit the same rule and get the same layout, so the
-optimiser state follows its parameter. ``spec`` is a ``PartitionSpec`` or ``FSDP``.
+optimiser state follows its parameter. ``spec`` is a ``PartitionSpec``, ``FSDP`` or a
+``Logical``: the names a model file gives its parameters' dimensions (its ``PARAM_AXES``), laid
+out by ``LOGICAL_AXIS_RULES`` when the mesh's ``model`` axis is larger than 1 and as ``FSDP``
+otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Sequence
@@ -39,6 +48,32 @@ FSDP = "fsdp"
 WHOLE_SCALARS = (r"(^|/)(count|step|mini_step|gradient_step)$|(^|/)head/bias$", P())
 SPLIT_REST = (r".*", FSDP)
 REPLICATED = ((r".*", P()),)
+# Logical axis -> mesh axis (MaxText's ``logical_axis_rules``): Megatron's layout. An axis mapped
+# to ``model`` must be divisible by its size; one mapped to ``fsdp`` is split only where it is.
+LOGICAL_AXIS_RULES = {"heads": "model", "mlp": "model", "vocab": "model", "embed": "fsdp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Logical:
+    """A parameter's logical axis names, one per trailing dimension (``None``: an axis no rule
+    splits). Right-aligned, so a scanned stack's leading ``[depth]`` axis stays whole."""
+
+    names: tuple[str | None, ...]
+
+
+def activation_axis_rules(mesh: Mesh) -> tuple:
+    """Flax's logical axis rules for the activations the models name (``nn.with_logical_constraint``
+    on each block's output): the residual stream's ``batch`` over the mesh's batch axes, its other
+    axes whole. Without them XLA split the activations of some layouts with an fsdp axis along
+    their width too: the collectives of a ViT's and a prior's step (width 384) moved 3.4-6.9x the
+    bytes on four of the six such layouts measured, and no layout moved more with the rules
+    (benchmarks/results/tensor_parallel.md)."""
+    return (("batch", batch_spec(mesh)[0] or None), ("length", None), ("embed", None))
+
+
+def logical_rules(param_axes) -> tuple:
+    """A model file's ``PARAM_AXES`` (``(regex, names)`` pairs) -> partition rules."""
+    return tuple((pattern, Logical(tuple(names))) for pattern, names in param_axes)
 
 
 def make_mesh(mesh_config=None, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -109,10 +144,35 @@ def fsdp_spec(shape: Sequence[int], mesh: Mesh) -> P:
     return P(*([None] * dim + [FSDP]))
 
 
+def logical_spec(name: str, shape: Sequence[int], mesh: Mesh, names: Sequence) -> P:
+    """``shape``'s trailing dimensions named ``names``, laid out by ``LOGICAL_AXIS_RULES`` on
+    ``mesh``; a one-line ValueError naming the leaf ``name`` where ``model`` does not divide."""
+    sizes = dict(mesh.shape)
+    if len(names) > len(shape):
+        raise ValueError(f"{name}: logical axes {tuple(names)} for an array of shape {shape}.")
+    spec = [None] * (len(shape) - len(names))
+    for size, logical in zip(shape[len(spec) :], names):
+        axis = LOGICAL_AXIS_RULES.get(logical)
+        if sizes.get(axis, 1) == 1:
+            spec.append(None)
+        elif size % sizes[axis] == 0:
+            spec.append(axis)
+        elif axis == FSDP:
+            spec.append(None)
+        else:
+            raise ValueError(
+                f"config.mesh.{axis}={sizes[axis]} does not divide the {logical} axis "
+                f"({size}) of {name}."
+            )
+    return P(*spec)
+
+
 def leaf_spec(name: str, shape: Sequence[int], mesh: Mesh, rules) -> P:
     for pattern, spec in rules:
         if re.search(pattern, name):
-            if spec == FSDP:
+            if isinstance(spec, Logical) and dict(mesh.shape).get("model", 1) > 1:
+                return logical_spec(name, shape, mesh, spec.names)
+            if spec == FSDP or isinstance(spec, Logical):
                 return fsdp_spec(shape, mesh)
             return spec
     return P()
@@ -133,6 +193,25 @@ def rules_for(config, default_rules=None):
     if custom:
         return tuple((pattern, spec if spec == FSDP else P(*spec)) for pattern, spec in custom)
     return tuple(default_rules) if default_rules else REPLICATED
+
+
+def check_model_axis(config, **sizes: int) -> None:
+    """A one-line ValueError when ``config.mesh``'s ``model`` axis does not divide one of
+    ``sizes`` (the model's heads, MLP width, vocabulary: what the task's rules split over it).
+    ``config.partition_rules`` replace the task's rules, and their own layout is not checked."""
+    if config.get("partition_rules", None):
+        return
+    mesh = config.get("mesh", None) or {}
+    mesh = mesh.to_dict() if hasattr(mesh, "to_dict") else dict(mesh)
+    model = int(mesh.get("model", 1))
+    if model == -1:
+        model = jax.device_count() // math.prod(int(s) for n, s in mesh.items() if n != "model")
+    for field, size in sizes.items():
+        if model > 1 and size % model:
+            raise ValueError(
+                f"config.mesh.model={model} does not divide the model's {field}={size}; "
+                f"tensor parallelism splits it over that axis."
+            )
 
 
 def bytes_per_device(tree) -> int:

@@ -56,7 +56,7 @@ def test_tpu_train_step_holds_the_state_and_counts_the_model_flops(v5e_2x2):
     mesh, (train,) = programs.compile_programs(
         config, tasks.get_task("classification"), v5e_2x2, only=("train",)
     )
-    assert mesh == {"data": 4, "fsdp": 1}
+    assert mesh == {"data": 4, "fsdp": 1, "model": 1}
     # Data parallel: every device holds the whole state (donated, so written in place) and a
     # quarter of the batch (images float32 [16, 16, 16, 1] and labels) and the key; TPU layouts
     # pad small arrays to whole tiles (the head's [128, 10] kernel and its moments to
