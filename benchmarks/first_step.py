@@ -145,10 +145,14 @@ def import_seconds(env: dict) -> float:
 
 
 def stages(line: str) -> dict:
-    """``{"tracing": s, "lowering": s, "compiling": s}`` from the loop's first-step line."""
+    """``{"tracing", "lowering", "compiling", "loading"}`` seconds from the loop's first-step
+    line (loading: the kept executables read and loaded)."""
     match = FIRST_STEP.match(line)
     parts = (match.group(2) or "").split(", ") if match else []
-    return {k: float(v.removesuffix(" s")) for k, v in (p.split(" ", 1) for p in parts if p)}
+    found = {k: float(v.removesuffix(" s")) for k, v in (p.split(" ", 1) for p in parts if p)}
+    loaded = re.search(r"compiled programs loaded in ([\d.]+) s", line)
+    found["loading"] = float(loaded.group(1)) if loaded else 0.0
+    return found
 
 
 def row(name: str, directory: pathlib.Path, inputs) -> dict:
@@ -205,20 +209,22 @@ def table(rows: list[dict], machine: dict) -> str:
         "lowered before JAX's cache answers (what a warm start was before).",
         "",
         "Where each start's time goes (seconds; JAX's own timings of its stages, summed over the "
-        "process up to the first step; imports as above; the rest is the config, data pipeline, "
+        "process up to the first step; loading: the kept executables read and loaded; imports as "
+        "above; the rest is the config, data pipeline, "
         "initial state, workdir and the step itself; CPU kernel choices timed while a program "
         "is traced compile inside the tracing, so on a cold start the stages overlap and the rest "
         "can come out below zero):",
         "",
-        "| workload | start | total | imports | tracing | lowering | compiling | rest |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | start | total | imports | tracing | lowering | compiling | loading | rest |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for kind, label in (("cold", "cold"), ("warm", "warm"), ("warm_traced", "warm, traced")):
             if f"attnjax_{kind}" not in r:
                 continue
             total, parts = r[f"attnjax_{kind}"], r.get(f"attnjax_{kind}_stages", {})
-            spent = [parts.get(k, float("nan")) for k in ("tracing", "lowering", "compiling")]
+            names = ("tracing", "lowering", "compiling", "loading")
+            spent = [parts.get(k, float("nan")) for k in names]
             rest = total - machine["import_seconds"] - sum(spent)
             lines.append(
                 f"| {r['description']} | {label} | {total:.1f} | {machine['import_seconds']:.1f} | "

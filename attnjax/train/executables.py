@@ -35,6 +35,7 @@ import json
 import os
 import pathlib
 import pickle
+import time
 import uuid
 from typing import Any, Callable
 
@@ -59,7 +60,7 @@ JAX_SETTINGS = (
     "jax_threefry_partitionable",
 )
 
-_counts = {"loaded": 0, "written": 0}
+_counts = {"loaded": 0, "written": 0, "load_seconds": 0.0}
 
 
 def directory() -> pathlib.Path | None:
@@ -125,7 +126,8 @@ def _signature(args) -> str:
 
 
 def counts() -> dict:
-    """``{"loaded", "written"}``: entries this process read, and compiled and wrote."""
+    """``{"loaded", "written", "load_seconds"}``: entries this process read, entries it compiled
+    and wrote, and the seconds reading and loading took."""
     return dict(_counts)
 
 
@@ -164,9 +166,11 @@ class ExecutableCache:
     def _program(self, name: str, jitted: Callable, args, signature: str) -> Callable:
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
         path = self.directory / f"{name}-{key[:32]}{SUFFIX}"
+        start = time.perf_counter()
         loaded = self._load(path, args)
         if loaded is not None:
             _counts["loaded"] += 1
+            _counts["load_seconds"] += time.perf_counter() - start
             return loaded
         hits = compilation_cache.counts()["hits"]
         compiled = jitted.lower(*args).compile()
@@ -261,7 +265,8 @@ def first_step_line() -> str:
     line = f"first step done{'' if age is None else f' {age:.1f} s after the process started'}"
     c = counts()
     return (
-        f"{line} ({stages}): {c['loaded']} compiled programs loaded, {c['written']} kept; "
+        f"{line} ({stages}): {c['loaded']} compiled programs loaded in "
+        f"{c['load_seconds']:.1f} s, {c['written']} kept; "
         f"{compilation_cache.summary()}"
     )
 

@@ -16,9 +16,9 @@ from attnjax.train import compilation_cache, executables, report
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIRST_STEP = re.compile(
     r"first step done ([\d.]+) s after the process started \(tracing ([\d.]+) s, lowering "
-    r"([\d.]+) s, compiling ([\d.]+) s\): (\d+) compiled programs loaded, (\d+) kept; (\d+) "
-    r"programs from the compilation cache at (\S+) \((-?[\d.]+) s of compiling saved\), (\d+) "
-    r"compiled and written to it"
+    r"([\d.]+) s, compiling ([\d.]+) s\): (\d+) compiled programs loaded in [\d.]+ s, (\d+) "
+    r"kept; (\d+) programs from the compilation cache at (\S+) \((-?[\d.]+) s of compiling "
+    r"saved\), (\d+) compiled and written to it"
 )
 
 
