@@ -148,15 +148,25 @@ class ExecutableCache:
         if self.directory is None:
             return jitted
         programs: dict[str, Callable] = {}
+        last: list[Callable] = []
 
         @functools.wraps(jitted)
         def call(*args):
+            # The program of the last call first: a compiled program checks its arguments' types
+            # and layouts itself (TypeError, ValueError) before it runs, so a step's arguments are
+            # not flattened into a signature every step (3.8 ms for ViT-B/16's train state).
+            if last:
+                try:
+                    return last[0](*args)
+                except (TypeError, ValueError):
+                    pass
             if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
                 return jitted(*args)  # inside another trace (jax.eval_shape): inlined there
             signature = _signature(args)
             program = programs.get(signature)
             if program is None:
                 program = programs[signature] = self._program(name, jitted, args, signature)
+            last[:] = [program]
             return program(*args)
 
         # What else reads the program (the FLOP count for MFU, ahead-of-time compiles) traces it.

@@ -88,6 +88,18 @@ def test_the_cached_step_still_traces_and_lowers_for_whoever_reads_its_program(c
     assert "tanh" in step.lower(state(), jnp.eye(4)).as_text()
 
 
+def test_one_step_called_with_two_signatures_in_turn_runs_each_own_program(cache_dir):
+    jitted, traced = counted_step()
+    step = executables.ExecutableCache({}).cached("step", jitted)
+    wide, half = jnp.eye(4) * 0.5, jnp.eye(4, dtype=jnp.float16) * 0.5
+    got = [step(state(), x) for x in (wide, half, wide, half)]
+    assert traced == [(4, 4), (4, 4)]  # one program per signature, each traced once
+    assert got[0][0]["w"].dtype == jnp.float32 and got[1][1]["loss"].dtype == jnp.float32
+    plain = [jax.jit(counted_step()[0])(state(), x) for x in (wide, half)]
+    for got_one, expected in zip(got, plain * 2):
+        jax.tree.map(np.testing.assert_array_equal, got_one, expected)
+
+
 def test_inside_another_trace_the_step_is_traced_as_a_plain_jit(cache_dir):
     jitted, traced = counted_step()
     step = executables.ExecutableCache({}).cached("step", jitted)
