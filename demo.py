@@ -48,11 +48,12 @@ from attnjax.inference import generate
 from attnjax.metrics import sources
 from attnjax.metrics.features import frechet_distance_between, measure
 from attnjax.ops import autotune
+from attnjax.parallel import data_parallel
 from attnjax.tasks import classification as classification_task
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import train_and_evaluate
 from attnjax.tasks.classification import PRE_LOGITS
-from attnjax.train import checkpoint, collector, compilation_cache, parallel, report
+from attnjax.train import checkpoint, collector, compilation_cache, report
 
 # The domain FIDs of the table: its rows, in order (the feature network is the digits ViT).
 DOMAIN_FIDS = (
@@ -323,7 +324,7 @@ def main(argv=None):
     if args.train_steps is not None:
         for config in stage_configs.values():
             shorten(config, args.train_steps)
-    parallel.use_cpu_cores(*stage_configs.values())
+    data_parallel.use_cpu_cores(*stage_configs.values())
     workdirs = {name: os.path.join(args.workdir, name) for name, _ in STAGES}
     stage_configs["prior"].vqgan_workdir = workdirs["vqgan"]
     stages = {

@@ -23,9 +23,10 @@ from ml_collections import config_flags
 
 from attnjax import compat
 from attnjax.compile import run as compile_only
+from attnjax.parallel import data_parallel, watchdog
+from attnjax.parallel.watchdog import one_line
 from attnjax.tasks import train_and_evaluate
-from attnjax.train import collector, compilation_cache, parallel, preemption, watchdog
-from attnjax.train.watchdog import one_line
+from attnjax.train import collector, compilation_cache, preemption
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/vit_digits.py", "Training config file (configs/*.py[:arg])."
@@ -72,7 +73,7 @@ def main(argv):
         sys.exit(status)
     compilation_cache.enable()
     try:
-        parallel.use_cpu_cores(config)
+        data_parallel.use_cpu_cores(config)
         metrics = train_and_evaluate(config, _WORKDIR.value)
     except preemption.Preempted as stopped:
         print(f"train.py: {stopped}", file=sys.stderr)

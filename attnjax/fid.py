@@ -157,9 +157,9 @@ def _use_every_core() -> None:
     # One CPU device per core splits the batch: faster than one device for convolutional models
     # (benchmarks/results/xla_cpu_flags.md).
     from attnjax.ops.platform import cpu_cores
-    from attnjax.train import parallel
+    from attnjax.parallel import data_parallel
 
-    parallel.set_cpu_devices(cpu_cores())
+    data_parallel.set_cpu_devices(cpu_cores())
 
 
 def _run(args) -> list[str]:

@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_rules.py [--repeats 7] [--rounds 5] [--no-devices]
 
-The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``train/parallel.py``):
+The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``parallel/data_parallel.py``):
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;

@@ -42,7 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from attnjax.ops.platform import cpu_cores, processor  # noqa: E402
-from attnjax.train import checkpoint, launch  # noqa: E402
+from attnjax.parallel import launch  # noqa: E402
+from attnjax.train import checkpoint  # noqa: E402
 
 KINDS = ("SIGSTOP", "kill -9 mid-step", "kill -9 mid-save", "SIGTERM", "disk full")
 # Files of at most 4 KiB for the wrapped process (EFBIG, ENOSPC's per-process sibling; SIGXFSZ

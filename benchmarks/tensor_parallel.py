@@ -1,5 +1,5 @@
 """Bytes the collectives of a train step move per device, by mesh, with and without the activation
-axis rules (``attnjax.train.sharding.activation_axis_rules``), from the compiled HLO on 8 CPU
+axis rules (``attnjax.parallel.sharding.activation_axis_rules``), from the compiled HLO on 8 CPU
 devices (nothing runs).
 
     python benchmarks/tensor_parallel.py
@@ -38,8 +38,9 @@ def measure(name: str, mesh: dict, constrained: bool) -> dict:
     import jax
     import numpy as np
 
+    from attnjax.parallel import data_parallel, sharding
     from attnjax.tasks import classification, prior
-    from attnjax.train import loop, parallel, sharding
+    from attnjax.train import loop
 
     sys.path.insert(0, str(ROOT))
     from configs import prior_digits, vit_digits
@@ -58,11 +59,11 @@ def measure(name: str, mesh: dict, constrained: bool) -> dict:
         batch = {"codes": np.zeros((64, 256), np.int32), "label": np.zeros(64, np.int32)}
     config.update(batch_size=64, optimizer="sgd", mesh=mesh)
     rules = sharding.rules_for(config, task.SHARDING_RULES)
-    dp = parallel.DataParallel("jit", 64, mesh=config.mesh, rules=rules)
+    dp = data_parallel.DataParallel("jit", 64, mesh=config.mesh, rules=rules)
     model = task.create_model(config)
     shapes = loop.abstract_train_state(config, task, model, batch, jax.random.PRNGKey(0))
-    state = parallel.placed_shapes(shapes, dp.state_shardings(shapes))
-    batch = parallel.placed_shapes(batch, {k: dp.batch_sharding for k in batch})
+    state = data_parallel.placed_shapes(shapes, dp.state_shardings(shapes))
+    batch = data_parallel.placed_shapes(batch, {k: dp.batch_sharding for k in batch})
     train_step = functools.partial(task.train_step, config=config, model=model)
     step = dp.compile_train_step(train_step, dp.state_shardings(state))
     hlo = step.lower(state, batch, jax.random.PRNGKey(0)).compile().as_text()

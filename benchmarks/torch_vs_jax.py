@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import torch
 
-from attnjax.train import parallel
+from attnjax.parallel import data_parallel
 
 LEARNING_RATE = 1e-4
 _DEVICE = "cpu"  # torch's device; use_devices makes it "cuda" when JAX runs on a GPU too
@@ -122,10 +122,10 @@ def add_cpu_devices_flag(parser):
 
 def use_devices(cpu_devices: int):
     """Before anything touches a JAX device: ``cpu_devices`` XLA:CPU devices (0: one per core),
-    as train.py gives itself (attnjax.train.parallel.use_cpu_cores);
+    as train.py gives itself (attnjax.parallel.data_parallel.use_cpu_cores);
     torch on CUDA when JAX runs on a GPU."""
     if cpu_devices < 0:
         raise ValueError(f"--cpu-devices={cpu_devices} must be >= 0 (0: one per core)")
-    parallel.set_cpu_devices(cpu_devices or parallel.cpu_cores())
+    data_parallel.set_cpu_devices(cpu_devices or data_parallel.cpu_cores())
     global _DEVICE
     _DEVICE = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"

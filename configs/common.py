@@ -29,7 +29,7 @@ def training(task: str) -> ml_collections.ConfigDict:
     config.num_train_steps = 1000
     config.parallel = "jit"  # or "pmap"
     # Devices per axis: fsdp > 1 splits the parameters, model > 1 the heads, MLP units and
-    # vocabulary (tensor parallelism; attnjax/train/sharding.py).
+    # vocabulary (tensor parallelism; attnjax/parallel/sharding.py).
     config.mesh = {"data": -1, "fsdp": 1, "model": 1}
     config.distributed = False  # True on multi-host clusters
     config.heartbeat_timeout_seconds = 300  # a process silent this long is declared dead

@@ -12,8 +12,8 @@ import numpy as np
 import configs
 from attnjax import data
 from attnjax.models import vit
+from attnjax.parallel import data_parallel, launch, sharding
 from attnjax.tasks import classification, train_and_evaluate
-from attnjax.train import launch, parallel, sharding
 
 
 def assert_close(actual, expected, rtol=1e-5, atol=1e-6, what="value"):
@@ -279,7 +279,7 @@ def flat(tree):
 def jit_steps(config):
     """The loop's first ``num_train_steps`` steps with ``DataParallel("jit")`` on ``config.mesh``
     (no eval/io) -> ``(state, dp)``, the state laid out on the mesh."""
-    dp = parallel.DataParallel(
+    dp = data_parallel.DataParallel(
         "jit",
         config.batch_size,
         config.eval_batch_size,

@@ -14,8 +14,10 @@ above (the table below is checked against ``PACKAGES``):
     2  attnjax.convert    weights from and to PyTorch and Google files
     2  attnjax.metrics    FID statistics, IS, precision/recall, KID, feature extraction, image
                           sources
+    2  attnjax.parallel   meshes and partition rules, placement over devices and processes,
+                          launching, elastic resume, the watchdog
     3  attnjax.train      the loop and what it stands on: optimiser, checkpoints, reliability,
-                          parallelism, metrics
+                          metrics
     4  attnjax.tasks      what each task adds: classification, vqgan, prior
     5  attnjax.inference  trained runs used: sampling command, export
     5  attnjax.compile    a config compiled for TPUs or GPUs it does not run on: memory, FLOPs,
@@ -57,9 +59,15 @@ PACKAGES = (  # (package, layer, what it holds), bottom to top
         "FID statistics, IS, precision/recall, KID, feature extraction, image sources",
     ),
     (
+        "attnjax.parallel",
+        2,
+        "meshes and partition rules, placement over devices and processes, launching, elastic "
+        "resume, the watchdog",
+    ),
+    (
         "attnjax.train",
         3,
-        "the loop and what it stands on: optimiser, checkpoints, reliability, parallelism, metrics",
+        "the loop and what it stands on: optimiser, checkpoints, reliability, metrics",
     ),
     ("attnjax.tasks", 4, "what each task adds: classification, vqgan, prior"),
     ("attnjax.inference", 5, "trained runs used: sampling command, export"),

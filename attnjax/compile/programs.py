@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from attnjax.compile.targets import Target
 from attnjax.ops import autotune
-from attnjax.train import loop, parallel, performance
+from attnjax.parallel import data_parallel
+from attnjax.train import loop, performance
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -148,8 +149,8 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
     }
     state = abstract_state(config, task, model, train_batch)
     train_step, eval_step = loop.compile_steps(config, task, model, dp, state)
-    placed = parallel.placed_shapes(state, dp.state_shardings(state))
-    place_batch = lambda batch: parallel.placed_shapes(
+    placed = data_parallel.placed_shapes(state, dp.state_shardings(state))
+    place_batch = lambda batch: data_parallel.placed_shapes(
         batch, jax.tree.map(lambda _: dp.batch_sharding, batch)
     )
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=dp.replicated)

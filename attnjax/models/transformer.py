@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention
 
-# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attentions', and the feed-forward's hidden units.
 PARAM_AXES = ATTENTION_AXES + (
     (r"(^|/)linear1/kernel$", ("embed", "mlp")),
@@ -96,7 +96,7 @@ class _TransformerSettings(nn.Module):
 
     @staticmethod
     def _constrained(x):
-        """A layer's batch-first output: split by the batch (attnjax.train.sharding's activation
+        """A layer's batch-first output: split by the batch (attnjax.parallel.sharding's activation
         rules)."""
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 

@@ -27,7 +27,7 @@ each ``[c_in, c_out]``. Whether that beats the convolution XLA derives for it de
 processor (faster on one 2-core EPYC, 1.5x slower in a VQGAN step on a 2-core Xeon), so it is
 timed against XLA's once per shape on the machine at hand, in a training run's first step
 (``attnjax.ops.autotune``); with the timing off or outside a run, XLA's own runs. Smaller
-maps, fewer channels and one CPU device per core (``attnjax.train.parallel.use_cpu_cores``,
+maps, fewer channels and one CPU device per core (``attnjax.parallel.data_parallel.use_cpu_cores``,
 every core already busy with its share of the batch) keep XLA's own without timing. Every other
 case is ``lax.conv_general_dilated``. The measurements behind these rules:
 benchmarks/results/cpu_rules.md. Outputs and gradients equal XLA's to float32 rounding
@@ -143,9 +143,9 @@ def forced_kernel_gradient(path: str | None) -> Iterator[None]:
 
 def _cores_left_idle() -> bool:
     """Whether XLA:CPU would leave cores idle during a one-threaded convolution: fewer CPU
-    devices than cores. With one device per core (``attnjax.train.parallel.use_cpu_cores``) the
-    split batch keeps every core busy, and XLA's own kernel gradient is the faster one
-    (benchmarks/results/cpu_rules.md)."""
+    devices than cores. With one device per core
+    (``attnjax.parallel.data_parallel.use_cpu_cores``) the split batch keeps every core busy, and
+    XLA's own kernel gradient is the faster one (benchmarks/results/cpu_rules.md)."""
     if jax.default_backend() != "cpu":
         return False
     return jax.local_device_count() < cpu_cores()

@@ -37,7 +37,7 @@ any container of them, e.g. a dict ``{"autoencoder": ..., "discriminator": ...}`
 Optional::
 
     SHARDING_RULES: tuple of (regex, spec) pairs
-        How the train state is laid out over the mesh (``attnjax.train.sharding``; its
+        How the train state is laid out over the mesh (``attnjax.parallel.sharding``; its
         ``WHOLE_SCALARS`` and ``SPLIT_REST`` are the usual building blocks). Defaults to
         everything replicated; ``config.partition_rules`` overrides it.
 

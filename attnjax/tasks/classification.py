@@ -29,7 +29,8 @@ from attnjax.data.images import save_labelled_grid
 from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
 from attnjax.ops import positional
-from attnjax.train import checkpoint, executables, optim, precision, sharding
+from attnjax.parallel import sharding
+from attnjax.train import checkpoint, executables, optim, precision
 
 MODELS = {"vit": vit.create_vit}
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).

@@ -34,6 +34,7 @@ from attnjax.data.images import save_image_grid
 from attnjax.models import gpt
 from attnjax.models.gpt import null_tokens, prefix_tokens
 from attnjax.models.sampling import sample
+from attnjax.parallel import sharding
 from attnjax.tasks import image_metrics
 from attnjax.tasks import vqgan as vqgan_task
 
@@ -42,7 +43,7 @@ from attnjax.tasks.vqgan_codes import TrainedVQGAN as TrainedVQGAN
 from attnjax.tasks.vqgan_codes import encode_split, load_vqgan
 from attnjax.tasks.vqgan_codes import first_codes as first_codes
 from attnjax.tasks.vqgan_codes import load_images as load_images
-from attnjax.train import executables, optim, precision, sharding
+from attnjax.train import executables, optim, precision
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model_name", "model")

@@ -60,8 +60,9 @@ from attnjax.metrics import ssim
 from attnjax.models import lpips, quantizers, vector_quantizer, vqgan
 from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
+from attnjax.parallel import sharding
 from attnjax.tasks import image_metrics
-from attnjax.train import executables, optim, precision, sharding
+from attnjax.train import executables, optim, precision
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model",)

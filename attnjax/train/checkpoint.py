@@ -16,7 +16,7 @@ the latest checkpoint (state, optimiser state, data iterator position, step; per
 are derived from ``(seed, step)``), so it continues exactly where it stopped. A checkpoint
 restores onto any mesh (its arrays are resharded to the target's layout), e.g. one written by
 8 devices with sharded parameters restores whole on one device for inference, and a run saved
-by N processes resumes on any number (``attnjax.train.elastic``).
+by N processes resumes on any number (``attnjax.parallel.elastic``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attnjax import storage
-from attnjax.train import checkpoint_integrity, elastic
+from attnjax.parallel import elastic
+from attnjax.train import checkpoint_integrity
 
 CONFIG_FILE = "config.json"
 # Config fields besides ``task`` that define the model a checkpoint holds, for a task that
@@ -197,7 +198,7 @@ class Checkpointer:
         iterator) is set to its saved position.
 
         Any process count resumes a checkpoint that holds a global data position
-        (``attnjax.train.elastic``); per-worker iterator states need the count that saved them
+        (``attnjax.parallel.elastic``); per-worker iterator states need the count that saved them
         (else ``CheckpointLayoutError``, one line naming both)."""
         step = self.manager.latest_step() if step is None else step
         target = jax.tree.map(

@@ -23,6 +23,7 @@ import numpy as np
 from absl import logging
 
 from attnjax import storage
+from attnjax.parallel.elastic import CheckpointLayoutError
 
 DAMAGED_PREFIX = "damaged-"
 # OS errors that mean "the disk (or the process's file size limit) is full".
@@ -34,11 +35,6 @@ _TENSORSTORE_ERRNO = re.compile(r"os_error_code=\\?'(\d+)")
 
 class DamagedCheckpointError(RuntimeError):
     """No checkpoint of the workdir could be restored."""
-
-
-class CheckpointLayoutError(ValueError):
-    """An intact checkpoint that this run's layout (its processes, its data pipeline) cannot
-    resume: never taken for damage, never moved aside."""
 
 
 class CheckpointWriteError(OSError):

@@ -6,7 +6,7 @@ model, data, train state (optimiser), and only then the workdir lock, checkpoint
 and logs. What the run holds open (the lock, the watchdog, the checkpointer, the metric writer,
 the progress bar, the signal handlers) sits on one ``contextlib.ExitStack``: closed in reverse,
 so the checkpointer's pending writes finish before the lock is released, whatever ended the run,
-and the watchdog (``attnjax.train.watchdog``) bounds each phase, that wait included.
+and the watchdog (``attnjax.parallel.watchdog``) bounds each phase, that wait included.
 
 Per-step RNG keys are ``fold_in(key(seed), step)``, the data stream is a function of the seed
 and the iterator position, and both the state and the iterator position are checkpointed, so a
@@ -30,17 +30,15 @@ from absl import logging
 
 from attnjax import data
 from attnjax.ops import autotune
+from attnjax.parallel import data_parallel, sharding, watchdog
 from attnjax.train import (
     checkpoint,
     checkpoint_integrity,
     executables,
     nonfinite,
-    parallel,
     performance,
     preemption,
     report,
-    sharding,
-    watchdog,
     workdir_lock,
 )
 
@@ -64,7 +62,7 @@ def _check_loop_fields(config) -> None:
         )
     nonfinite.check_config(config)
     watchdog.settings(config)
-    parallel.cpu_devices_wanted(config)  # rejects a negative config.cpu_devices
+    data_parallel.cpu_devices_wanted(config)  # rejects a negative config.cpu_devices
 
 
 def evaluate(
@@ -117,7 +115,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     nothing and returns the final evaluation again (pipelines can rerun stages cheaply).
     """
     _check_loop_fields(config)
-    parallel.maybe_initialize_distributed(config)
+    data_parallel.maybe_initialize_distributed(config)
     dp = make_data_parallel(config, task)
     identity = getattr(task, "IDENTITY_FIELDS", checkpoint.DEFAULT_IDENTITY_FIELDS)
     checkpoint.check_compatible(workdir, config, identity)
@@ -167,7 +165,9 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         if dp.mode == "jit":  # a repeated run loads them as compiled, skipping their tracing
             identity = executables.identity_of(config, task)
             train_step, eval_step = executables.cached_steps(identity, train_step, eval_step)
-        batches = parallel.Prefetcher(train_iter, dp.shard_batch, size=config.get("prefetch", 2))
+        batches = data_parallel.Prefetcher(
+            train_iter, dp.shard_batch, size=config.get("prefetch", 2)
+        )
         writer = report.MetricWriter(workdir, enabled=is_main, resume_step=start)
         stack.callback(writer.close)
         run = _Run(
@@ -219,16 +219,16 @@ def _published():
         raise
 
 
-def make_data_parallel(config, task, devices=None) -> parallel.DataParallel:
+def make_data_parallel(config, task, devices=None) -> data_parallel.DataParallel:
     """The run's placement: ``config.mesh`` over ``devices`` (default ``run_devices``) with the
     task's partition rules."""
-    return parallel.DataParallel(
+    return data_parallel.DataParallel(
         config.get("parallel", "jit"),
         config.batch_size,
         config.get("eval_batch_size") or None,
         mesh=config.get("mesh", None),
         rules=sharding.rules_for(config, getattr(task, "SHARDING_RULES", None)),
-        devices=parallel.run_devices(config) if devices is None else devices,
+        devices=data_parallel.run_devices(config) if devices is None else devices,
     )
 
 
@@ -245,7 +245,7 @@ def _create_train_state(config, task, model, datasets, dp, init_rng, abstract=Fa
     example = next(data.make_iterator(datasets.train, config.get("data")))
     if abstract:
         shapes = abstract_train_state(config, task, model, example, init_rng)
-        return parallel.placed_shapes(shapes, dp.state_shardings(shapes))
+        return data_parallel.placed_shapes(shapes, dp.state_shardings(shapes))
     state = initial_state(task, config, model, example, init_rng)
     return dp.place_state(state) if dp.mode == "jit" else state
 
@@ -311,7 +311,7 @@ def compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
     train_step = dp.compile_train_step(
         functools.partial(task.train_step, config=config, model=model),
         dp.state_shardings(state) if dp.mode == "jit" else None,
-        parallel.train_step_compiler_options(config, dp.mesh) if dp.mode == "jit" else None,
+        data_parallel.train_step_compiler_options(config, dp.mesh) if dp.mode == "jit" else None,
     )
     eval_step = dp.compile_eval_step(functools.partial(task.eval_step, config=config, model=model))
     return train_step, eval_step
@@ -336,7 +336,7 @@ class _Run:
     task: Any
     model: Any
     workdir: str
-    dp: parallel.DataParallel
+    dp: data_parallel.DataParallel
     datasets: data.Datasets
     train_step: Callable
     eval_step: Callable

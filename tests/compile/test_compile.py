@@ -11,7 +11,8 @@ from helpers import load_config
 import attnjax.compile
 from attnjax import tasks
 from attnjax.compile import programs, targets
-from attnjax.train import accelerators, parallel
+from attnjax.parallel import data_parallel
+from attnjax.train import accelerators
 
 # A ViT big enough that its matrix products dominate XLA's FLOP count (elementwise work, the
 # optimiser and the loss add a few percent), small enough to compile in seconds.
@@ -142,7 +143,7 @@ def test_gpu_train_step_compiles_for_eight_h100s():
 @pytest.mark.cuda
 def test_remat_on_eight_h100s_keeps_few_activations():
     """Data-parallel remat on XLA:GPU: with the gradients' all-reduce synchronous
-    (``parallel.train_step_compiler_options``), the recomputed blocks' activations are not all
+    (``data_parallel.train_step_compiler_options``), the recomputed blocks' activations are not all
     kept, and the step's temporaries shrink as they do on one device."""
     target = targets.parse("gpu:h100:8")
     task = tasks.get_task("classification")
@@ -152,10 +153,10 @@ def test_remat_on_eight_h100s_keeps_few_activations():
     temporaries = {}
     for remat in (False, True):
         config.model.remat = remat
-        options = parallel.train_step_compiler_options(config, mesh)
+        options = data_parallel.train_step_compiler_options(config, mesh)
         assert options == ({"xla_gpu_disable_async_collectives": "ALLREDUCE"} if remat else {})
         _, (train,) = programs.compile_programs(config, task, target, only=("train",))
         temporaries[remat] = train.temp_bytes
     assert temporaries[True] < 0.5 * temporaries[False], temporaries
     cpu_mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",))
-    assert parallel.train_step_compiler_options(config, cpu_mesh) == {}
+    assert data_parallel.train_step_compiler_options(config, cpu_mesh) == {}

@@ -102,7 +102,7 @@ def test_folder_runs_on_two_processes_and_after_a_kill_equal_one_uninterrupted_r
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
 
     two = str(tmp_path / "two")
-    launch = [sys.executable, "-m", "attnjax.train.launch", "--processes=2"]
+    launch = [sys.executable, "-m", "attnjax.parallel.launch", "--processes=2"]
     command = [*launch, "--devices-per-process=2", "--", *_command(digits_folder, two)]
     _finish(_start(command, _env(), tmp_path / "two.log"), tmp_path / "two.log")
     got = _params(two)

@@ -165,7 +165,7 @@ def test_a_checkpoint_of_other_process_counts_resumes_from_its_global_position(t
     workers = {"workers_state": {"0": {"next_index": 3}}, "last_worker_index": 0}
     write_states(workers, workers)
     with pytest.raises(
-        checkpoint.checkpoint_integrity.CheckpointLayoutError,
+        checkpoint.elastic.CheckpointLayoutError,
         match=rf"^checkpoint 5 in {workdir}/checkpoints is intact but was saved by 2 "
         r"process\(es\) with per-worker iterator states \(config.data.worker_count > 0\); this "
         r"run has 1 process\(es\) with plain iterators, which take only the states of as many "

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, assert_close, xla_flags
 
-from attnjax.train import checkpoint, launch, parallel
+from attnjax.parallel import data_parallel, launch
+from attnjax.train import checkpoint
 
 # Each test runs 2 or more JAX processes (a 2-core machine has room for no more): one xdist
 # worker runs them all, one at a time.
@@ -59,7 +60,7 @@ def launcher(command, processes, devices_per_process):
         [
             sys.executable,
             "-m",
-            "attnjax.train.launch",
+            "attnjax.parallel.launch",
             f"--processes={processes}",
             f"--devices-per-process={devices_per_process}",
             "--",
@@ -227,10 +228,10 @@ def test_launch_environment_and_bad_input(monkeypatch):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "two")
     with pytest.raises(ValueError, match=r"\$JAX_PROCESS_ID='two' is not an integer"):
-        parallel.maybe_initialize_distributed()
+        data_parallel.maybe_initialize_distributed()
     monkeypatch.setenv("JAX_PROCESS_ID", "2")
     with pytest.raises(ValueError, match=r"\$JAX_PROCESS_ID=2 is outside"):
-        parallel.maybe_initialize_distributed()
+        data_parallel.maybe_initialize_distributed()
     monkeypatch.delenv("JAX_NUM_PROCESSES")
     with pytest.raises(ValueError, match=r"\$JAX_NUM_PROCESSES=None"):
-        parallel.maybe_initialize_distributed()
+        data_parallel.maybe_initialize_distributed()

@@ -1,7 +1,7 @@
 """One of several processes fails: a SIGTERM to one, a stalled one (SIGSTOP), one killed
 mid-save, one whose disk is full. The others never hang, nothing complete is damaged, and a
 relaunch, on another process count (1 x 4, 4 x 1), ends where an uninterrupted run ends
-(attnjax/train/watchdog.py, elastic.py, launch.py, preemption.py)."""
+(attnjax/parallel/watchdog.py, elastic.py, launch.py, preemption.py)."""
 
 import glob
 import hashlib
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, assert_close, tiny_vit_flags, xla_flags
 
-from attnjax.train import checkpoint, launch, preemption, watchdog
+from attnjax.parallel import launch, watchdog
+from attnjax.train import checkpoint, preemption
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 # Files of at most 4 KiB for the wrapped process (EFBIG, ENOSPC's per-process sibling), the
@@ -72,10 +73,10 @@ def run_one_process(command, devices):
 
 
 class Launcher:
-    """``python -m attnjax.train.launch`` with its output collected as it comes."""
+    """``python -m attnjax.parallel.launch`` with its output collected as it comes."""
 
     def __init__(self, command, processes, devices_per_process):
-        argv = [sys.executable, "-m", "attnjax.train.launch", f"--processes={processes}"]
+        argv = [sys.executable, "-m", "attnjax.parallel.launch", f"--processes={processes}"]
         argv += [f"--devices-per-process={devices_per_process}", "--", *command]
         self.proc = subprocess.Popen(
             argv, env=base_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT

@@ -14,8 +14,9 @@ import pytest
 from helpers import ROOT, assert_close, xla_flags
 from jax.sharding import PartitionSpec as P
 
+from attnjax.parallel import sharding
 from attnjax.tasks import classification
-from attnjax.train import checkpoint, sharding
+from attnjax.train import checkpoint
 
 EIGHT_DEVICES = textwrap.dedent("""
     import json, os, sys
@@ -46,7 +47,8 @@ FOUR_DEVICES = textwrap.dedent("""
     sys.path.insert(0, os.path.join({root!r}, "tests"))
     import flax, jax, numpy as np
     from helpers import fsdp_config
-    from attnjax.train import checkpoint, parallel, sharding
+    from attnjax.parallel import data_parallel, sharding
+    from attnjax.train import checkpoint
     from attnjax import data
     from attnjax.tasks import classification
     from attnjax.tasks import train_and_evaluate
@@ -54,7 +56,7 @@ FOUR_DEVICES = textwrap.dedent("""
     assert jax.device_count() == 4, jax.devices()
     workdir = os.path.join({tmp!r}, "run4")
     config = fsdp_config({data_dir!r}, {{"data": 1, "fsdp": -1}}, steps=4)
-    dp = parallel.DataParallel("jit", config.batch_size, mesh=config.mesh,
+    dp = data_parallel.DataParallel("jit", config.batch_size, mesh=config.mesh,
                                rules=sharding.rules_for(config, classification.SHARDING_RULES))
     model = classification.create_model(config)
     datasets = data.make_datasets(config)

@@ -1,4 +1,5 @@
-"""attnjax/parallel.py: jit+NamedSharding and pmap data parallelism equal one device."""
+"""attnjax/parallel/data_parallel.py: jit+NamedSharding and pmap data parallelism equal one
+device."""
 
 import glob
 import importlib.metadata
@@ -16,8 +17,9 @@ import pytest
 from helpers import ROOT, assert_close, tiny_config, xla_flags
 
 from attnjax import data
+from attnjax.parallel import data_parallel
 from attnjax.tasks import classification, train_and_evaluate
-from attnjax.train import checkpoint, parallel
+from attnjax.train import checkpoint
 
 EIGHT_DEVICES = textwrap.dedent("""
     import json, os, sys
@@ -27,11 +29,12 @@ EIGHT_DEVICES = textwrap.dedent("""
     import jax, numpy as np
     import flax
     from helpers import tiny_config, jit_steps
-    from attnjax.train import checkpoint, parallel
+    from attnjax.parallel import data_parallel
+    from attnjax.train import checkpoint
     from attnjax.tasks import train_and_evaluate
 
     # A count chosen in $XLA_FLAGS stands: use_cpu_cores leaves it and every device is used.
-    assert parallel.use_cpu_cores(tiny_config({data_dir!r})) is None
+    assert data_parallel.use_cpu_cores(tiny_config({data_dir!r})) is None
     assert jax.device_count() == 8, jax.devices()
     out = {{}}
     workdir = os.path.join({tmp!r}, "pmap")
@@ -42,7 +45,7 @@ EIGHT_DEVICES = textwrap.dedent("""
         flat = flax.traverse_util.flatten_dict(params, sep="/")
         np.savez(os.path.join({tmp!r}, mode + ".npz"), **flat)
     try:
-        parallel.DataParallel("jit", batch_size=12)
+        data_parallel.DataParallel("jit", batch_size=12)
     except ValueError as e:
         out["error"] = str(e)
     print("RESULT " + json.dumps(out))
@@ -105,16 +108,17 @@ CPU_CORES_AS_DEVICES = textwrap.dedent("""
     import jax
     import flax, numpy as np
     from helpers import tiny_config
-    from attnjax.train import checkpoint, parallel
+    from attnjax.parallel import data_parallel
+    from attnjax.train import checkpoint
     from attnjax.tasks import train_and_evaluate
 
     one_device = tiny_config({data_dir!r})          # the digits ViT's config asks for 1 device
     four = tiny_config({data_dir!r})
     four.cpu_devices = 4
-    out = {{"chosen": parallel.use_cpu_cores(one_device, four), "devices": jax.device_count(),
-           "four_run_devices": parallel.run_devices(four),
-           "one_run_devices": [d.id for d in parallel.run_devices(one_device)],
-           "too_late": parallel.set_cpu_devices(2), "after": jax.device_count()}}
+    out = {{"chosen": data_parallel.use_cpu_cores(one_device, four), "devices": jax.device_count(),
+           "four_run_devices": data_parallel.run_devices(four),
+           "one_run_devices": [d.id for d in data_parallel.run_devices(one_device)],
+           "too_late": data_parallel.set_cpu_devices(2), "after": jax.device_count()}}
     workdir = os.path.join({tmp!r}, "first_of_4")
     train_and_evaluate(one_device, workdir)
     np.savez(os.path.join({tmp!r}, "first_of_4.npz"),
@@ -161,20 +165,20 @@ def test_cpu_devices_wanted_divides_the_batches_and_rejects_negatives(digits_dir
     config = tiny_config(digits_dir)  # batch 16, eval batch 40
     config.cpu_devices = 0
     cores = len(os.sched_getaffinity(0))
-    assert parallel.cpu_devices_wanted(config) == max(
+    assert data_parallel.cpu_devices_wanted(config) == max(
         n for n in range(1, cores + 1) if 16 % n == 0 and 40 % n == 0
     )
     config.cpu_devices = 3
-    assert parallel.cpu_devices_wanted(config) == 3
+    assert data_parallel.cpu_devices_wanted(config) == 3
     config.cpu_devices = -1
     with pytest.raises(ValueError, match="config.cpu_devices=-1 must be >= 0"):
-        parallel.cpu_devices_wanted(config)
+        data_parallel.cpu_devices_wanted(config)
 
 
 def test_prefetcher_state_is_that_of_the_consumed_batch():
     source = grain.MapDataset.range(10).batch(2)
     iterator = data.make_iterator(source)
-    prefetcher = parallel.Prefetcher(iterator, put=lambda b: b * 1, size=3)
+    prefetcher = data_parallel.Prefetcher(iterator, put=lambda b: b * 1, size=3)
     batch, state = next(prefetcher)
     np.testing.assert_array_equal(batch, [0, 1])
     resumed = data.make_iterator(source)
@@ -184,7 +188,7 @@ def test_prefetcher_state_is_that_of_the_consumed_batch():
 
 def test_unknown_parallel_mode():
     with pytest.raises(ValueError, match="config.parallel='shard'"):
-        parallel.DataParallel("shard", batch_size=8)
+        data_parallel.DataParallel("shard", batch_size=8)
 
 
 def test_an_accelerator_plugin_counts_only_beside_its_device(monkeypatch, tmp_path):
@@ -192,12 +196,14 @@ def test_an_accelerator_plugin_counts_only_beside_its_device(monkeypatch, tmp_pa
     # runs on the CPU there, and use_cpu_cores must still give it one device per core.
     installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
     assert "libtpu" in installed
-    monkeypatch.setattr(parallel, "ACCELERATOR_DEVICE_FILES", {"libtpu": ("/dev/accel[0-9]*",)})
-    assert parallel.accelerator_present() == bool(glob.glob("/dev/accel[0-9]*"))
+    monkeypatch.setattr(
+        data_parallel, "ACCELERATOR_DEVICE_FILES", {"libtpu": ("/dev/accel[0-9]*",)}
+    )
+    assert data_parallel.accelerator_present() == bool(glob.glob("/dev/accel[0-9]*"))
     (tmp_path / "accel0").touch()
     present = {"libtpu": (str(tmp_path / "accel[0-9]*"),)}
-    monkeypatch.setattr(parallel, "ACCELERATOR_DEVICE_FILES", present)
-    assert parallel.accelerator_present()
+    monkeypatch.setattr(data_parallel, "ACCELERATOR_DEVICE_FILES", present)
+    assert data_parallel.accelerator_present()
     absent = {"no-such-plugin": (str(tmp_path / "accel[0-9]*"),)}
-    monkeypatch.setattr(parallel, "ACCELERATOR_DEVICE_FILES", absent)
-    assert not parallel.accelerator_present()
+    monkeypatch.setattr(data_parallel, "ACCELERATOR_DEVICE_FILES", absent)
+    assert not data_parallel.accelerator_present()

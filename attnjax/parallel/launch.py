@@ -1,11 +1,12 @@
 """Starts a multi-process JAX run on this machine, the way a cluster scheduler would.
 
-    python -m attnjax.train.launch --processes 2 --devices-per-process 2 -- \\
+    python -m attnjax.parallel.launch --processes 2 --devices-per-process 2 -- \\
         train.py --config configs/vit_digits.py --workdir runs/digits_2x2
 
 Runs ``python <args after -->`` ``--processes`` times with ``JAX_COORDINATOR_ADDRESS`` (a free
 local port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, which
-``attnjax.train.parallel.maybe_initialize_distributed`` turns into ``jax.distributed.initialize``.
+``attnjax.parallel.data_parallel.maybe_initialize_distributed`` turns into
+``jax.distributed.initialize``.
 ``--devices-per-process N`` gives each process N simulated CPU devices
 (``--xla_force_host_platform_device_count``). Output lines are prefixed ``[p<i>]``. When one
 process fails (or is killed, or its watchdog ends it: status 124), the others are killed too (a
@@ -177,7 +178,7 @@ def _wait(procs: list, lock: threading.Lock) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m attnjax.train.launch",
+        prog="python -m attnjax.parallel.launch",
         description="Run a JAX program on several local processes (see module docstring).",
     )
     parser.add_argument("--processes", type=int, required=True, help="number of processes")

@@ -20,10 +20,13 @@ import re
 
 from etils import epath
 
-from attnjax.train.checkpoint_integrity import CheckpointLayoutError
-
 POSITION_KEY = "next_index"
 _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+class CheckpointLayoutError(ValueError):
+    """An intact checkpoint that this run's layout (its processes, its data pipeline) cannot
+    resume: never taken for damage, never moved aside."""
 
 
 def position(iterator_state) -> int | None:

@@ -1,4 +1,4 @@
-"""Tensor parallelism (attnjax/train/sharding.py's ``model`` axis, Megatron's layout from the
+"""Tensor parallelism (attnjax/parallel/sharding.py's ``model`` axis, Megatron's layout from the
 models' logical axis names): ViT and GPT prior steps on 8 devices equal one device's, the layout
 survives XLA, a checkpoint moves between layouts, and the one-line errors."""
 
@@ -15,8 +15,8 @@ from helpers import ROOT, assert_relative, load_config, xla_flags
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from attnjax.parallel import sharding
 from attnjax.tasks import classification, prior
-from attnjax.train import sharding
 
 MESHES = (
     {"data": 4, "model": 2},
@@ -55,7 +55,8 @@ SCRIPT = textwrap.dedent(r"""
     from ml_collections import config_flags
     from attnjax.models import transformer
     from attnjax.tasks import classification, prior
-    from attnjax.train import checkpoint, parallel, sharding
+    from attnjax.parallel import data_parallel, sharding
+    from attnjax.train import checkpoint
 
     assert jax.device_count() == 8, jax.devices()
     MESHES, VIT_FLAGS, PRIOR_FLAGS, TMP = {meshes!r}, {vit_flags!r}, {prior_flags!r}, {tmp!r}
@@ -78,7 +79,7 @@ SCRIPT = textwrap.dedent(r"""
     def placement(rules, config_flags_, mesh, devices=None):
         # The layout of a run of these flags with --config.mesh.<axis>=N.
         config = parsed(config_flags_, mesh)
-        return parallel.DataParallel("jit", config.batch_size, mesh=config.mesh, rules=rules,
+        return data_parallel.DataParallel("jit", config.batch_size, mesh=config.mesh, rules=rules,
                                      devices=devices)
 
     def run(dp, train_step, host_state, batches):
@@ -184,7 +185,7 @@ SCRIPT = textwrap.dedent(r"""
                                  ("fsdp4", {{"fsdp": 4}}, jax.devices()[4:])):
         dp = placement(prior.SHARDING_RULES, PRIOR_FLAGS, mesh, devices)
         reader = checkpoint.Checkpointer(workdir, config)
-        restored = reader.restore(parallel.placed_shapes(shapes, dp.state_shardings(shapes)),
+        restored = reader.restore(data_parallel.placed_shapes(shapes, dp.state_shardings(shapes)),
                                   iter(grain.MapDataset.range(64).batch(8)), step=3)
         reader.close()
         kernel = restored.params["blocks_0"]["mlp"]["fc1"]["kernel"]

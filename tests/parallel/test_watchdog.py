@@ -1,4 +1,4 @@
-"""attnjax/train/watchdog.py: a phase that outlasts its bound ends the process with one line,
+"""attnjax/parallel/watchdog.py: a phase that outlasts its bound ends the process with one line,
 every thread's stack on disk and status 124, in a real process."""
 
 import os
@@ -11,14 +11,14 @@ import ml_collections
 import pytest
 from helpers import ROOT
 
-from attnjax.train import watchdog
+from attnjax.parallel import watchdog
 
 # A process whose watchdog (floor 0.5 s, factor 2, log_every 5) sees ``before`` take 1 s, then
 # ``stalled`` never end.
 STALLS = """
 import sys, time
 import ml_collections
-from attnjax.train import watchdog
+from attnjax.parallel import watchdog
 config = ml_collections.ConfigDict(dict(log_every=5, watchdog=dict(
     floor_seconds=0.5, factor=2.0, first_seconds={first_seconds})))
 dog = watchdog.Watchdog(config, sys.argv[1])

@@ -3,7 +3,7 @@
 Two ways to run the same step function over every device of every process:
 
 * ``"jit"`` (default, what JAX recommends): a mesh over all devices (``config.mesh``, default
-  ``{"data": -1}``; see ``attnjax.train.sharding``); the batch is a global array split along its
+  ``{"data": -1}``; see ``attnjax.parallel.sharding``); the batch is a global array split along its
   leading axis over the ``data`` and ``fsdp`` axes, the state is laid out by the task's
   partition rules (replicated under pure data parallelism, split over ``fsdp`` otherwise), and
   XLA inserts the collectives. The step sees the global batch (``axis_name=None``).
@@ -15,7 +15,7 @@ Both donate the state buffers. ``Prefetcher`` keeps the next batches on the devi
 current step runs, so no host-to-device copy sits between two steps.
 
 Several processes (hosts): ``maybe_initialize_distributed`` joins them into one JAX runtime
-before any device is touched; ``python -m attnjax.train.launch`` starts them on one machine.
+before any device is touched; ``python -m attnjax.parallel.launch`` starts them on one machine.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnjax import xla_cpu
 from attnjax.ops.platform import cpu_cores
-from attnjax.train import sharding, watchdog
+from attnjax.parallel import sharding, watchdog
 
 MODES = ("jit", "pmap")
 AXIS = "data"
@@ -67,14 +67,14 @@ def maybe_initialize_distributed(config=None) -> None:
     """Joins this process to a multi-process JAX runtime when asked; else does nothing.
 
     Asked by ``$JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0) with
-    ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID`` (what ``python -m attnjax.train.launch``
+    ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID`` (what ``python -m attnjax.parallel.launch``
     sets), or by ``config.distributed=True`` on clusters JAX detects itself (SLURM, TPU pods,
     Open MPI), where ``jax.distributed.initialize()`` finds all three on its own. CPU devices
     exchange data through gloo (the CPU client has no collectives across processes otherwise).
 
     ``config.heartbeat_timeout_seconds`` (default ``HEARTBEAT_TIMEOUT_SECONDS``) goes to
     ``jax.distributed.initialize``. gloo's own collective timeouts, which abort the process, are
-    raised above the watchdog's bounds (``attnjax.train.watchdog``) unless ``$XLA_FLAGS`` sets
+    raised above the watchdog's bounds (``attnjax.parallel.watchdog``) unless ``$XLA_FLAGS`` sets
     them: the watchdog, which serves every platform, then reports a stalled peer first.
     """
     wanted = (config is not None and config.get("distributed", False)) or os.environ.get(
@@ -87,7 +87,7 @@ def maybe_initialize_distributed(config=None) -> None:
         raise ValueError(
             f"${ENV_COORDINATOR} is set but ${ENV_NUM_PROCESSES}={num_processes} "
             f"and ${ENV_PROCESS_ID}={process_id}; set both (python -m "
-            f"attnjax.train.launch does)."
+            f"attnjax.parallel.launch does)."
         )
     if (
         num_processes is not None
@@ -245,8 +245,9 @@ class DataParallel:
     """Placement and compilation for one ``mode`` (``"jit"`` or ``"pmap"``).
 
     ``batch_size`` is the global batch; it must split evenly over the batch axes of the mesh.
-    ``mesh``: ``config.mesh`` (jit only); ``rules``: partition rules (``attnjax.train.sharding``);
-    ``devices``: what the mesh spans (jit only; default every device, ``run_devices``).
+    ``mesh``: ``config.mesh`` (jit only); ``rules``: partition rules
+    (``attnjax.parallel.sharding``); ``devices``: what the mesh spans (jit only; default every
+    device, ``run_devices``).
     """
 
     def __init__(
