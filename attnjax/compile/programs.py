@@ -26,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from attnjax.compile import collectives as collective_bytes
 from attnjax.compile.targets import Target
 from attnjax.ops import autotune
 from attnjax.parallel import data_parallel
@@ -60,7 +61,8 @@ class Program:
     flops: float
     xla_flops: float | None
     compiled_flops_per_device: float | None
-    collectives: dict
+    collectives: dict  # kind -> how many in the program text
+    collective_bytes: dict  # kind -> bytes moved per device per call (``collectives``)
     kernel_calls: int
     has_loops: bool
 
@@ -127,6 +129,7 @@ def compile_program(name: str, jitted, function, args, examples: int, target: Ta
         xla_flops=performance.lowered_flops(lowered),
         compiled_flops_per_device=_compiled_flops(compiled),
         collectives=dict(sorted(collections.Counter(_COLLECTIVE.findall(hlo)).items())),
+        collective_bytes=collective_bytes.moved_bytes(hlo),
         kernel_calls=len(_KERNEL.findall(hlo)),
         has_loops=loops,
     )

@@ -43,6 +43,7 @@ def program_summary(program: Program, target: Target, mesh: dict) -> dict:
         "flops_loops_counted_once": program.has_loops,
         "kernel_calls": program.kernel_calls,
         "collectives": program.collectives,
+        "collective_bytes_per_device": program.collective_bytes,
         "compile_seconds": round(program.compile_seconds, 2),
         "examples_per_second_at_peak": None,
         "examples_per_second_at_40pct_mfu": None,
@@ -130,7 +131,14 @@ def format_text(result: dict) -> str:
         compiled = r["compiled_flops_per_device"]
         xla = r["xla_flops_per_step"]
         kernels = f", {r['kernel_calls']} kernel calls" if r["kernel_calls"] else ""
-        collectives = ", ".join(f"{k} {v}" for k, v in r["collectives"].items()) or "none"
+        moved = r.get("collective_bytes_per_device") or {}
+        collectives = (
+            ", ".join(
+                f"{k} {v}" + (f" ({_gib(moved[k])} GiB)" if moved.get(k) else "")
+                for k, v in r["collectives"].items()
+            )
+            or "none"
+        )
         lines.append(
             f"         {_flop(flops / r['examples_per_step'])}/example, "
             f"{_flop(flops)}/step in products{loops}"
