@@ -5,8 +5,8 @@ each collective's result (the gathered array of an all-gather, the reduced one o
 one device's piece of a reduce-scatter), summed by kind. A collective inside a ``while`` loop
 counts once per trip where the trip count is known, so a scanned model's per-layer collectives
 count ``depth`` times: XLA's ``known_trip_count`` where the backend keeps it (CPU, GPU), else a
-loop condition ``counter < constant`` (XLA:TPU drops the annotation; ``lax.scan`` counts from 0
-by 1). A loop of unknown length counts its body once and is reported by ``unknown_trip_loops``.
+loop condition ``counter < constant`` (XLA:TPU drops the annotation; ``lax.scan`` and XLA's own
+windowed matrix products count from 0 by 1). A loop of unknown length counts its body once and is reported by ``unknown_trip_loops``.
 
 Asynchronous pairs (``all-gather-start`` / ``-done``) count at their ``-done``, whose result is
 the collective's output alone (a ``-start``'s tuple repeats the operand); a collective wrapped in
@@ -32,7 +32,7 @@ _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([0-9,]*)\]")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
-_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
 _LESS_THAN = re.compile(r"compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),\s*direction=LT")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
