@@ -6,7 +6,8 @@ one device's piece of a reduce-scatter), summed by kind. A collective inside a `
 counts once per trip where the trip count is known, so a scanned model's per-layer collectives
 count ``depth`` times: XLA's ``known_trip_count`` where the backend keeps it (CPU, GPU), else a
 loop condition ``counter < constant`` (XLA:TPU drops the annotation; ``lax.scan`` and XLA's own
-windowed matrix products count from 0 by 1). A loop of unknown length counts its body once and is reported by ``unknown_trip_loops``.
+windowed matrix products count from 0 by 1). A loop of unknown length counts its body once and
+is reported by ``unknown_trip_loops``.
 
 Asynchronous pairs (``all-gather-start`` / ``-done``) count at their ``-done``, whose result is
 the collective's output alone (a ``-start``'s tuple repeats the operand); a collective wrapped in
