@@ -117,8 +117,13 @@ def conv2d(state: StateDict, prefix: str) -> dict:
 
 
 def layer_norm(state: StateDict, prefix: str) -> dict:
-    """``nn.LayerNorm`` / ``nn.GroupNorm`` (affine) at ``prefix`` -> Flax ``scale``, ``bias``."""
-    return {"scale": take(state, prefix, "weight"), "bias": take(state, prefix, "bias")}
+    """``nn.LayerNorm`` / ``nn.GroupNorm`` (affine) at ``prefix`` -> Flax ``scale``, optional
+    ``bias`` (torch's ``bias=False``)."""
+    params = {"scale": take(state, prefix, "weight")}
+    bias = take(state, prefix, "bias", required=False)
+    if bias is not None:
+        params["bias"] = bias
+    return params
 
 
 group_norm = layer_norm
@@ -161,8 +166,9 @@ def _place(tree: dict, path: str, value) -> None:
     *parents, leaf = path.split("/")
     for part in parents:
         tree = tree.setdefault(part, {})
-    if isinstance(value, dict):
-        tree.setdefault(leaf, {}).update(value)
+    if isinstance(value, dict):  # merged, not replaced: rows may fill one module's parts
+        for key, item in value.items():
+            _place(tree.setdefault(leaf, {}), key, item)
     else:
         tree[leaf] = value
 

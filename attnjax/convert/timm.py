@@ -13,6 +13,19 @@ names every mapping in both directions:
     blocks_N/attn/q, k, v     blocks.N.attn.qkv                 packed q|k|v, transposed
     other Dense, LayerNorm    their timm names                  Linear, LayerNorm
     ========================  ================================  ==============================
+
+timm's ``ParallelScalingBlock`` (ViT-22B's parallel block) fuses projections that attnjax keeps
+apart, so its rows split them (import only; the export refuses ``parallel_block``):
+
+    ========================  ================================  ==============================
+    attnjax                   timm ParallelScalingBlock         rule
+    ========================  ================================  ==============================
+    blocks_N/norm1            blocks.N.in_norm                  LayerNorm
+    mlp/fc1, attn/q, k, v     blocks.N.in_proj (+ mlp_bias)     packed fc1|q|k|v, transposed
+    attn/q_norm, k_norm       blocks.N.q_norm, k_norm           LayerNorm
+    attn/out, mlp/fc2         attn_out_proj, mlp_out_proj       Linear
+    attn/out, mlp/fc2         out_proj (fuse_out_proj=True)     columns attn|mlp; bias on out
+    ========================  ================================  ==============================
 """
 
 from __future__ import annotations
@@ -37,26 +50,62 @@ from attnjax.convert.common import (
 )
 
 
+def _split_rows(weight, bias, sizes: dict) -> dict:
+    """A Linear's ``[sum(sizes), in]`` weight (and optional bias) cut into consecutive row
+    blocks -> ``{name: Dense params}``, in ``sizes``' order."""
+    out, start = {}, 0
+    for name, size in sizes.items():
+        part = slice(start, start + size)
+        out[name] = {"kernel": weight[part].T}
+        if bias is not None:
+            out[name]["bias"] = bias[part]
+        start += size
+    return out
+
+
 def packed_qkv(state, prefix: str, weight: str = "weight", bias: str = "bias") -> dict:
     """Packed ``[3 * width, width]`` q|k|v (timm ``qkv``, torch ``in_proj``) -> three Dense
-    dicts."""
+    dicts (without biases where timm's ``qkv_bias=False``)."""
     packed = take(state, prefix, weight)
-    packed_bias = take(state, prefix, bias, required=False)
-    if packed_bias is None:
-        raise ValueError(
-            f"state dict has no {prefix}.{bias!r}: attnjax's MultiHeadAttention has q/k/v biases "
-            "(timm's qkv_bias=False is not supported)"
-        )
     width = packed.shape[1]
     if packed.shape != (3 * width, width):
         raise ValueError(
             f"{prefix}.{weight}: expected shape [3 * {width}, {width}], got {packed.shape}"
         )
-    rows = [slice(i * width, (i + 1) * width) for i in range(3)]
-    return {
-        name: {"kernel": packed[part].T, "bias": packed_bias[part]}
-        for name, part in zip(("query", "key", "value"), rows)
-    }
+    sizes = dict.fromkeys(("query", "key", "value"), width)
+    return _split_rows(packed, take(state, prefix, bias, required=False), sizes)
+
+
+def fused_in_projection(state, prefix: str) -> dict:
+    """``ParallelScalingBlock.in_proj`` ``[mlp_dim + 3 * width, width]`` (fc1|q|k|v) and the
+    block's ``mlp_bias`` (there when q/k/v have no bias) -> ``{"attn": q/k/v, "mlp": fc1}``."""
+    packed = take(state, prefix, "weight")
+    width = packed.shape[1]
+    mlp_dim = packed.shape[0] - 3 * width
+    if mlp_dim < 1:
+        raise ValueError(
+            f"{prefix}.weight: expected [mlp_dim + 3 * {width}, {width}], got {packed.shape}"
+        )
+    sizes = {"fc1": mlp_dim, **dict.fromkeys(("query", "key", "value"), width)}
+    parts = _split_rows(packed, take(state, prefix, "bias", required=False), sizes)
+    mlp_bias = take(state, prefix.rpartition(".")[0], "mlp_bias", required=False)
+    if mlp_bias is not None:
+        parts["fc1"]["bias"] = mlp_bias
+    fc1 = parts.pop("fc1")
+    return {"attn": parts, "mlp": {"fc1": fc1}}
+
+
+def fused_out_projection(state, prefix: str) -> dict:
+    """``ParallelScalingBlock.out_proj`` ``[width, width + mlp_dim]`` (``fuse_out_proj=True``) ->
+    ``attn/out`` and ``mlp/fc2``. Their outputs are summed, so the one bias goes to ``out`` and
+    ``fc2``'s is zero."""
+    weight = take(state, prefix, "weight")
+    width = weight.shape[0]
+    out, fc2 = {"kernel": weight[:, :width].T}, {"kernel": weight[:, width:].T}
+    bias = take(state, prefix, "bias", required=False)
+    if bias is not None:
+        out["bias"], fc2["bias"] = bias, np.zeros_like(bias)
+    return {"attn": {"out": out}, "mlp": {"fc2": fc2}}
 
 
 def conv_patch_embedding(state, prefix: str) -> dict:
@@ -97,6 +146,15 @@ TIMM_VIT_TABLE = (
     (r"blocks\.(\d+)\.norm2", r"blocks_\1/norm2", layer_norm),
     (r"blocks\.(\d+)\.mlp\.fc1", r"blocks_\1/mlp/fc1", linear),
     (r"blocks\.(\d+)\.mlp\.fc2", r"blocks_\1/mlp/fc2", linear),
+    (r"blocks\.(\d+)\.attn\.q_norm", r"blocks_\1/attn/q_norm", layer_norm),
+    (r"blocks\.(\d+)\.attn\.k_norm", r"blocks_\1/attn/k_norm", layer_norm),
+    (r"blocks\.(\d+)\.in_norm", r"blocks_\1/norm1", layer_norm),
+    (r"blocks\.(\d+)\.in_proj", r"blocks_\1", fused_in_projection),
+    (r"blocks\.(\d+)\.q_norm", r"blocks_\1/attn/q_norm", layer_norm),
+    (r"blocks\.(\d+)\.k_norm", r"blocks_\1/attn/k_norm", layer_norm),
+    (r"blocks\.(\d+)\.attn_out_proj", r"blocks_\1/attn/out", linear),
+    (r"blocks\.(\d+)\.mlp_out_proj", r"blocks_\1/mlp/fc2", linear),
+    (r"blocks\.(\d+)\.out_proj", r"blocks_\1", fused_out_projection),
     (r"norm", "norm", layer_norm),
     (r"fc_norm", "fc_norm", layer_norm),
     (r"head", "head", linear),
@@ -118,14 +176,16 @@ def _timm_module_config(model) -> dict:
             f"vit_from_timm: global_pool={model.global_pool!r} unsupported; "
             "expected 'token' or 'avg'"
         )
-    act = model.blocks[0].mlp.act
+    block = model.blocks[0]
+    parallel = not hasattr(block, "mlp")  # ParallelScalingBlock: mlp_act, heads on the block
+    act = block.mlp_act if parallel else block.mlp.act
     if type(act).__name__ != "GELU" or getattr(act, "approximate", "none") != "none":
         raise ValueError(
             f"vit_from_timm: MLP activation {act} unsupported; expected exact nn.GELU()"
         )
     norm = model.norm if hasattr(model.norm, "eps") else model.fc_norm
     return dict(
-        num_heads=model.blocks[0].attn.num_heads,
+        num_heads=(block if parallel else block.attn).num_heads,
         pool=pool,
         image_size=tuple(model.patch_embed.img_size),
         layer_norm_eps=float(norm.eps),
@@ -144,9 +204,10 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
     (``torch.save`` or ``.safetensors`` file, loaded without unpickling code) the sizes come from
     the tensors, ``num_heads`` must be given, eps is timm's 1e-6, pooling is "gap" when ``fc_norm``
     weights exist, and the grid is square. ``overrides`` are further ``ViT`` fields
-    (``scan_layers``, ``remat``, ``dtype``, dropouts, a new ``image_size``...). Parts attnjax's ViT
-    does not have (register tokens, LayerScale, qk-norm, pre-norm, attention pooling) leave keys
-    unread and raise ``ValueError``.
+    (``scan_layers``, ``remat``, ``dtype``, dropouts, a new ``image_size``...). Blocks made by
+    ``ParallelScalingBlock`` give ``parallel_block=True``; ``qk_norm``, ``qkv_bias`` and
+    ``layer_norm_bias`` follow from the keys present. Parts attnjax's ViT does not have (register
+    tokens, LayerScale, pre-norm, attention pooling) leave keys unread and raise ``ValueError``.
     """
     config: dict = {}
     if hasattr(model_or_state_dict, "patch_embed") and hasattr(model_or_state_dict, "blocks"):
@@ -161,6 +222,7 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
     width, channels, ph, pw = take(state, "patch_embed.proj", "weight").shape
     params = apply_key_table(state, TIMM_VIT_TABLE, "vit_from_timm")["params"]
     class_token, fc_norm = "cls_token" in params, "fc_norm" in params
+    block = params.get("blocks_0", {})
     tokens = take(state, "", "pos_embed").shape[1]
     if "image_size" in config:
         grid = (config["image_size"][0] // ph, config["image_size"][1] // pw)
@@ -181,6 +243,10 @@ def vit_from_timm(model_or_state_dict, *, num_heads: int | None = None, **overri
         "class_token": class_token,
         "no_embed_class": class_token and tokens == grid[0] * grid[1],
         "fc_norm": fc_norm,
+        "parallel_block": "blocks.0.in_proj.weight" in state,
+        "qk_norm": "q_norm" in block["attn"],
+        "qkv_bias": "bias" in block["attn"]["query"],
+        "layer_norm_bias": "bias" in block["norm1"],
     }
     return finish_vit(config, overrides, params, grid, "vit_from_timm")
 
@@ -255,7 +321,7 @@ def qkv_to_packed(attn: dict) -> dict:
     """``query``/``key``/``value`` Dense params -> one packed Linear ``[3 * width, width]``
     (+ bias)."""
     parts = [dense_to_linear(attn[name]) for name in ("query", "key", "value")]
-    return {leaf: np.concatenate([part[leaf] for part in parts]) for leaf in ("weight", "bias")}
+    return {leaf: np.concatenate([part[leaf] for part in parts]) for leaf in parts[0]}
 
 
 def patch_embedding_to_conv(params: dict, patch_size: tuple, in_channels: int) -> dict:
@@ -276,6 +342,7 @@ def _check_exportable(model) -> None:
             model.representation_size is not None,
             "timm has no pre_logits layer",
         ),
+        "parallel_block": (model.parallel_block, "the export writes timm's sequential Block"),
     }
     for field, (bad, why) in unsupported.items():
         if bad:
@@ -352,7 +419,11 @@ def vit_to_timm(model, variables):
         proj_drop_rate=model.dropout_rate,
         attn_drop_rate=model.attention_dropout_rate,
         drop_path_rate=model.drop_path_rate,
-        norm_layer=functools.partial(torch.nn.LayerNorm, eps=model.layer_norm_eps),
+        qkv_bias=model.qkv_bias,
+        qk_norm=model.qk_norm,
+        norm_layer=functools.partial(
+            torch.nn.LayerNorm, eps=model.layer_norm_eps, bias=model.layer_norm_bias
+        ),
     )
     timm_model.load_state_dict(
         {key: torch.from_numpy(np.array(value)) for key, value in state.items()}, strict=True

@@ -51,6 +51,10 @@ MODEL_FIELDS = (
     "fc_norm",
     "layer_norm_eps",
     "representation_size",
+    "parallel_block",
+    "qk_norm",
+    "qkv_bias",
+    "layer_norm_bias",
 )
 
 

@@ -23,6 +23,8 @@ PARAM_AXES = (
     (r"(^|/)(query|key|value)/bias$", ("heads",)),
     (r"(^|/)out/kernel$", ("heads", "embed")),
     (r"(^|/)out/bias$", ("embed",)),
+    # One head_dim-sized LayerNorm shared by every head: no head axis to split.
+    (r"(^|/)(q_norm|k_norm)/(scale|bias)$", (None,)),
 )
 
 
@@ -49,6 +51,13 @@ class MultiHeadAttention(nn.Module):
       value_dim: value size per head; default ``head_dim``.
       out_features: output size; default the query feature size.
       use_bias: biases on all four projections.
+      qkv_bias: with ``use_bias``, biases on ``query``/``key``/``value`` too; False keeps only
+        ``out``'s (ViT-22B).
+      qk_norm: a LayerNorm over each head's ``head_dim`` query and key features (``q_norm``,
+        ``k_norm``, parameters shared by the heads) before the dot product, as timm's ``qk_norm``:
+        it holds back the attention-logit growth that made large ViTs diverge (ViT-22B,
+        Dehghani et al. 2023).
+      qk_norm_eps, qk_norm_bias: those LayerNorms' epsilon and whether they have a bias.
       dropout_rate: dropout on the attention weights (rng collection ``"dropout"``).
       decode: use and update the key/value cache.
       dtype, param_dtype: computation and parameter dtypes of the projections.
@@ -60,6 +69,10 @@ class MultiHeadAttention(nn.Module):
     value_dim: int | None = None
     out_features: int | None = None
     use_bias: bool = True
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    qk_norm_bias: bool = True
     dropout_rate: float = 0.0
     decode: bool = False
     dtype: Any = None
@@ -132,12 +145,22 @@ class MultiHeadAttention(nn.Module):
             bias_init=self.bias_init,
         )
         batch, length = inputs_q.shape[:2]
-        query = dense(self.num_heads * head_dim, name="query")(inputs_q)
-        key = dense(self.num_heads * head_dim, name="key")(inputs_k)
-        value = dense(self.num_heads * value_dim, name="value")(inputs_v)
+        projection = functools.partial(dense, use_bias=self.use_bias and self.qkv_bias)
+        query = projection(self.num_heads * head_dim, name="query")(inputs_q)
+        key = projection(self.num_heads * head_dim, name="key")(inputs_k)
+        value = projection(self.num_heads * value_dim, name="value")(inputs_v)
         query = query.reshape(batch, length, self.num_heads, head_dim)
         key = key.reshape(batch, inputs_k.shape[1], self.num_heads, head_dim)
         value = value.reshape(batch, inputs_v.shape[1], self.num_heads, value_dim)
+        if self.qk_norm:
+            norm = functools.partial(
+                nn.LayerNorm,
+                epsilon=self.qk_norm_eps,
+                use_bias=self.qk_norm_bias,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+            )
+            query, key = norm(name="q_norm")(query), norm(name="k_norm")(key)
 
         if self.decode:
             key, value, mask, is_causal = self._update_cache(key, value, mask, is_causal)

@@ -6,12 +6,14 @@ Data flow, for channels-last images ``[batch, H, W, C]`` and patch size ``(ph, p
     patch_embed (Dense) [batch, gh * gw, width]           (= a stride-P convolution)
     cls_token, pos      [batch, 1 + gh * gw, width]       class token first, then row-major patches
     blocks x depth      pre-LN: x + attn(LN(x)); x + mlp(LN(x))
+                        or parallel (ViT-22B): x + attn(LN(x)) + mlp(LN(x))
     norm, pool, head    [batch, num_classes]
 
 Parameter names follow timm's vocabulary (``patch_embed``, ``cls_token``, ``pos_embed``,
 ``blocks_N/{norm1, attn, norm2, mlp/fc1, mlp/fc2}``, ``norm``, ``fc_norm``, ``head``), so the
 converters in ``attnjax.convert`` are key tables. ``attn`` is
-``attnjax.models.multihead.MultiHeadAttention`` (``query``/``key``/``value``/``out`` Dense layers).
+``attnjax.models.multihead.MultiHeadAttention`` (``query``/``key``/``value``/``out`` Dense layers,
+``q_norm``/``k_norm`` with ``qk_norm``); the blocks live in ``attnjax.models.vit_blocks``.
 With ``scan_layers=True`` the blocks are one ``nn.scan``-ed module ``blocks`` whose parameters
 carry a leading ``[depth]`` axis; ``stack_block_params``/``unstack_block_params`` convert.
 
@@ -33,14 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
-from attnjax.models.multihead import MultiHeadAttention
 from attnjax.models.patches import pair, patchify
 from attnjax.models.position_embedding import LearnedPositionEmbedding
+from attnjax.models.vit_blocks import EncoderBlock, layer_norm
 from attnjax.ops.positional import sincos_2d_encoding
 
 Array = jax.Array
 
-# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attention's, and the MLP's hidden units; the rest has none.
 PARAM_AXES = ATTENTION_AXES + (
     (r"(^|/)mlp/fc1/kernel$", ("embed", "mlp")),
@@ -56,6 +58,17 @@ _SIZES = {
     "B": dict(width=768, depth=12, mlp_dim=3072, num_heads=12),
     "L": dict(width=1024, depth=24, mlp_dim=4096, num_heads=16),
     "H": dict(width=1280, depth=32, mlp_dim=5120, num_heads=16),
+    # Dehghani et al. 2023 changed the block too: without these it is a plain ViT of that size.
+    "22B": dict(
+        width=6144,
+        depth=48,
+        mlp_dim=24576,
+        num_heads=48,
+        parallel_block=True,
+        qk_norm=True,
+        qkv_bias=False,
+        layer_norm_bias=False,
+    ),
 }
 # Named models that are not "size/patch" strings. "cifar" is a small ViT for 32x32 CIFAR-10
 # images (4x4 patches, 6 blocks of width 256) in the layout of a plain PyTorch ViT whose
@@ -77,98 +90,7 @@ _NAMED = {
         layer_norm_eps=1e-5,
     ),
 }
-_VARIANT_PATTERN = re.compile(r"^(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
-
-
-def _layer_norm(module: nn.Module, name: str) -> nn.LayerNorm:
-    """A LayerNorm with ``module``'s epsilon and dtypes (``EncoderBlock`` and ``ViT`` share
-    them)."""
-    return nn.LayerNorm(
-        epsilon=module.layer_norm_eps, dtype=module.dtype, param_dtype=module.param_dtype, name=name
-    )
-
-
-class ViTMlp(nn.Module):
-    """timm's ``Mlp``: ``fc1 (mlp_dim) -> GELU (exact, erf) -> dropout -> fc2 -> dropout``,
-    ``[..., width]`` -> same shape."""
-
-    mlp_dim: int
-    dropout_rate: float = 0.0
-    deterministic: bool = True
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        dense = functools.partial(
-            nn.Dense,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            kernel_init=nn.initializers.xavier_uniform(),
-            bias_init=nn.initializers.normal(stddev=1e-6),
-        )
-        width = x.shape[-1]
-        x = dense(self.mlp_dim, name="fc1")(x)
-        x = nn.gelu(x, approximate=False)  # torch nn.GELU's default; tanh differs by ~1e-3
-        x = nn.Dropout(self.dropout_rate)(x, deterministic=self.deterministic)
-        x = dense(width, name="fc2")(x)
-        return nn.Dropout(self.dropout_rate)(x, deterministic=self.deterministic)
-
-
-class EncoderBlock(nn.Module):
-    """Pre-LN transformer block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``.
-
-    ``__call__(x [batch, tokens, width], drop_path_rate)`` -> ``(x, weights)``, where weights are
-    the attention weights ``[batch, heads, tokens, tokens]`` when ``return_weights`` else None.
-    ``drop_path_rate`` (stochastic depth; a per-layer value, traced under ``nn.scan``) drops a
-    sample's whole residual branch with that probability and rescales the kept ones.
-    """
-
-    num_heads: int
-    mlp_dim: int
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float = 0.0
-    stochastic_depth: bool = False
-    layer_norm_eps: float = 1e-6
-    deterministic: bool = True
-    return_weights: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    def _drop_path(self, branch, rate):
-        if self.deterministic or not self.stochastic_depth:
-            return branch
-        keep = 1.0 - rate
-        shape = (branch.shape[0],) + (1,) * (branch.ndim - 1)
-        kept = jax.random.bernoulli(self.make_rng("dropout"), keep, shape)
-        return jnp.where(kept, branch / keep.astype(branch.dtype), 0.0).astype(branch.dtype)
-
-    @nn.compact
-    def __call__(self, x, drop_path_rate=0.0):
-        drop_path_rate = jnp.asarray(drop_path_rate, jnp.float32)
-        y = _layer_norm(self, "norm1")(x)
-        y = MultiHeadAttention(
-            num_heads=self.num_heads,
-            dropout_rate=self.attention_dropout_rate,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="attn",
-        )(y, deterministic=self.deterministic, return_weights=self.return_weights)
-        y, weights = y if self.return_weights else (y, None)
-        y = nn.Dropout(self.dropout_rate)(y, deterministic=self.deterministic)
-        x = x + self._drop_path(y, drop_path_rate)
-        y = _layer_norm(self, "norm2")(x)
-        y = ViTMlp(
-            self.mlp_dim,
-            self.dropout_rate,
-            self.deterministic,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="mlp",
-        )(y)
-        x = x + self._drop_path(y, drop_path_rate)
-        # The residual stream stays split by the batch (attnjax.train.sharding's activation rules).
-        return nn.with_logical_constraint(x, ("batch", "length", "embed")), weights
+_VARIANT_PATTERN = re.compile(r"^(?P<size>[A-Za-z0-9]+)/(?P<patch>\d+)$")
 
 
 class ViT(nn.Module):
@@ -202,7 +124,12 @@ class ViT(nn.Module):
       dropout_rate: dropout on the embeddings, after attention and in the MLP.
       attention_dropout_rate: dropout on the attention weights.
       drop_path_rate: stochastic depth, rising linearly from 0 (first block) to this value (last).
+      parallel_block: attention and MLP side by side from one LayerNorm,
+        ``x + attn(LN(x)) + mlp(LN(x))`` (ViT-22B; timm's ``ParallelScalingBlock``).
+      qk_norm: LayerNorm on each head's queries and keys before the dot product (ViT-22B).
+      qkv_bias: biases on the query/key/value projections (ViT-22B has none).
       layer_norm_eps: 1e-6 (timm, big_vision); torch's default (the "cifar" variant) is 1e-5.
+      layer_norm_bias: a bias in every LayerNorm (ViT-22B has none).
       dtype: computation dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
       scan_layers: apply one block with ``nn.scan`` (compile time independent of depth).
       remat: recompute each block's activations in the backward pass (saves memory).
@@ -226,7 +153,11 @@ class ViT(nn.Module):
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
     drop_path_rate: float = 0.0
+    parallel_block: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = True
     layer_norm_eps: float = 1e-6
+    layer_norm_bias: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
     scan_layers: bool = False
@@ -299,7 +230,11 @@ class ViT(nn.Module):
             dropout_rate=self.dropout_rate,
             attention_dropout_rate=self.attention_dropout_rate,
             stochastic_depth=self.drop_path_rate > 0.0,
+            parallel=self.parallel_block,
+            qk_norm=self.qk_norm,
+            qkv_bias=self.qkv_bias,
             layer_norm_eps=self.layer_norm_eps,
+            layer_norm_bias=self.layer_norm_bias,
             deterministic=not train,
             return_weights=return_weights,
             dtype=self.dtype,
@@ -333,11 +268,11 @@ class ViT(nn.Module):
         x, attention_weights = self._encode(x, train, return_aux)
         use_fc_norm = self.pool == "gap" if self.fc_norm is None else self.fc_norm
         if not use_fc_norm:
-            x = _layer_norm(self, "norm")(x)
+            x = layer_norm(self, "norm")(x)
         num_prefix = 1 if self.class_token else 0
         x = x[:, 0] if self.pool == "cls" else jnp.mean(x[:, num_prefix:], axis=1)
         if use_fc_norm:
-            x = _layer_norm(self, "fc_norm")(x)
+            x = layer_norm(self, "fc_norm")(x)
         if self.representation_size is not None:
             x = nn.Dense(
                 self.representation_size,
@@ -362,7 +297,7 @@ class ViT(nn.Module):
 
 
 def variant_config(variant: str) -> dict:
-    """ViT kwargs of a named variant ("cifar") or of ``"<size>/<patch>"`` (Ti, S, B, L, H)."""
+    """ViT kwargs of a named variant ("cifar") or of ``"<size>/<patch>"`` (Ti, S, B, L, H, 22B)."""
     if not isinstance(variant, str):
         raise ValueError(f"create_vit: variant must be a string such as 'S/16', got {variant!r}")
     if variant in _NAMED:

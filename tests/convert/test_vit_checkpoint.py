@@ -30,6 +30,7 @@ def test_a_safetensors_file_converts_with_its_config_and_preprocessing(tmp_path,
         **dict(image_size=[16, 16], in_channels=3, num_classes=3, pool="gap"),
         **dict(class_token=True, no_embed_class=False, fc_norm=True, layer_norm_eps=1e-6),
         "representation_size": None,
+        **dict(parallel_block=False, qk_norm=False, qkv_bias=True, layer_norm_bias=True),
     }
     assert meta["data"] == {"image_size": 16, "mean": [0.4, 0.5, 0.6], "std": [0.5, 0.5, 0.5]}
     assert vit_checkpoint.read_metadata(out) == meta

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from attnjax.convert.timm import vit_from_torch_reference
-from attnjax.models import vit
+from attnjax.models import vit, vit_blocks
 from attnjax.models.patches import patchify, unpatchify
 
 
@@ -393,10 +393,12 @@ def test_options_non_square_and_gap(pool, posemb, class_token):
 
 
 def test_dropout_and_stochastic_depth():
-    block = vit.EncoderBlock(num_heads=2, mlp_dim=8, stochastic_depth=True, deterministic=False)
+    block = vit_blocks.EncoderBlock(
+        num_heads=2, mlp_dim=8, stochastic_depth=True, deterministic=False
+    )
     x = jax.random.normal(jax.random.key(0), (4000, 3, 4))
     params = jax.jit(block.init)(jax.random.key(1), x)
-    full = jax.jit(vit.EncoderBlock(num_heads=2, mlp_dim=8).apply)(params, x)[0]
+    full = jax.jit(vit_blocks.EncoderBlock(num_heads=2, mlp_dim=8).apply)(params, x)[0]
     dropped = jax.jit(
         lambda rate: block.apply(params, x, rate, rngs={"dropout": jax.random.key(2)})[0]
     )
