@@ -5,6 +5,7 @@
         --temperature 0.8
     python -m attnjax.inference.generate --workdir runs/demo/prior --grid 4x8  # a wider grid
     python -m attnjax.inference.generate --workdir runs/demo/prior --complete 8 --rows 2
+    python -m attnjax.inference.generate --workdir runs/prior_3b --class 207 --mesh model=8
 
 Three modes (``attnjax.models.sampling``): plain class-conditional sampling of the trained code
 grid; ``--grid HxW``, a grid at least the trained one sampled with taming's sliding window; and
@@ -14,6 +15,13 @@ with the rest grey, completions). ``--temperature``, ``--top_k``, ``--top_p`` an
 default to the run's ``config.sampling``. The PNG goes to ``--out`` (default
 ``<workdir>/sample.png``, ``grid_HxW.png`` or ``completion.png``) and is never overwritten without
 ``--force``.
+
+``--mesh model=N`` (or ``data=D,model=N``) samples on a mesh of that many devices: the prior's
+parameters laid out by its partition rules (heads, MLP units and vocabulary split over ``model``,
+Megatron's layout) and each key/value cache split by heads (``on_mesh``), the rows over ``data``;
+the tokens are one device's. ``model`` must divide the heads, the MLP's units and the vocabulary
+(a one-line error names the parameter it does not). In Python: ``with on_mesh(mesh):
+sampling.sample(model, place_params(params, mesh), ...)``.
 
 ``--save-stats OUT.npz`` also writes the samples' FID statistics in pytorch-fid's format (never
 over an existing file), on ``--inception W.npz`` (``--dims``, default 2048) or on the pre-logits
@@ -27,14 +35,18 @@ of ``--classifier RUN`` (a domain FID)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import re
 import sys
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from attnjax import data, storage
 from attnjax.data.images import save_image_grid
@@ -42,6 +54,7 @@ from attnjax.metrics import sources
 from attnjax.metrics.features import inception_extractor, measure
 from attnjax.metrics.statistics import save_statistics
 from attnjax.models import gpt, sampling
+from attnjax.parallel import sharding
 from attnjax.tasks import classification, image_metrics
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
@@ -53,10 +66,13 @@ class TrainedPrior(NamedTuple):
     model: gpt.GPT
     params: Any
     vqgan: prior_task.TrainedVQGAN
+    mesh: Mesh | None = None  # where its parameters lie and its samplers run; None: one device
 
 
-def load_prior(workdir: str, step: int | None = None) -> TrainedPrior:
-    """The prior trained in ``workdir`` and the VQGAN whose codes it models."""
+def load_prior(workdir: str, step: int | None = None, mesh: Mesh | None = None) -> TrainedPrior:
+    """The prior trained in ``workdir`` and the VQGAN whose codes it models; with ``mesh``, its
+    parameters placed there (``place_params``), where ``sample_codes`` and
+    ``complete_test_images`` then sample (``on_mesh``)."""
     if checkpoint.latest_step(workdir) is None:
         raise ValueError(f"--workdir {workdir!r} holds no checkpoint (train a prior run first)")
     config, params = checkpoint.load(workdir, step=step)
@@ -65,7 +81,53 @@ def load_prior(workdir: str, step: int | None = None) -> TrainedPrior:
             f"--workdir {workdir!r} holds a {config.task!r} run, expected a 'prior' run"
         )
     vqgan = prior_task.load_vqgan(config.vqgan_workdir, config.get("vqgan_step"))
-    return TrainedPrior(config, prior_task.create_model(config), params, vqgan)
+    if mesh is not None:
+        params = place_params(params, mesh)
+    return TrainedPrior(config, prior_task.create_model(config), params, vqgan, mesh)
+
+
+def place_params(params, mesh: Mesh):
+    """The prior's parameters laid out on ``mesh`` by its partition rules
+    (``prior.SHARDING_RULES``): over a ``model`` axis, q/k/v by heads, the MLP by its units, the
+    embedding and head by the vocabulary."""
+    shardings = sharding.tree_shardings(params, mesh, prior_task.SHARDING_RULES)
+    return jax.device_put(params, shardings)
+
+
+def sampling_axis_rules(mesh: Mesh) -> tuple:
+    """Flax's logical axis rules for sampling on ``mesh``: the activations' (rows over the batch
+    axes) and the key/value caches' heads over the axis the rules split q/k/v's heads over, so
+    that each device keeps the heads it computes."""
+    heads = sharding.LOGICAL_AXIS_RULES["heads"]
+    heads = heads if heads in mesh.axis_names else None
+    return (*sharding.activation_axis_rules(mesh), ("heads", heads))
+
+
+@contextlib.contextmanager
+def on_mesh(mesh: Mesh | None):
+    """The samplers called inside run on ``mesh`` (``jax.set_mesh``) under
+    ``sampling_axis_rules``; their parameters come from ``place_params``. None: as they are."""
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sampling_axis_rules(mesh)):
+        yield
+
+
+def parse_mesh(text: str) -> Mesh:
+    """``"model=2"``, ``"data=2,model=2"`` -> a mesh over the first that many devices (all of
+    them where a size is -1)."""
+    sizes = {}
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\w+)=(-1|\d+)\s*", part)
+        if not match:
+            raise ValueError(f"--mesh must be axis=size pairs (e.g. data=2,model=2), got {text!r}")
+        sizes[match[1]] = int(match[2])
+    count = math.prod(sizes.values())
+    if count > jax.device_count():
+        raise ValueError(f"--mesh {text} needs {count} devices, there are {jax.device_count()}")
+    devices = jax.devices() if count < 0 else jax.devices()[:count]
+    return sharding.make_mesh(sizes, devices)
 
 
 def sampling_settings(
@@ -105,22 +167,24 @@ def sample_codes(
     ``grid_shape`` larger than the trained grid samples with the sliding window."""
     batch = number if labels is None else len(labels)
     prefix, null = _prefixes(run, labels, batch, settings.get("guidance"))
-    return sampling.sample_window(
-        run.model,
-        run.params,
-        prefix,
-        rng,
-        grid_shape or run.vqgan.grid_shape,
-        run.vqgan.grid_shape,
-        null_prefix=null,
-        **settings,
-    )
+    with on_mesh(run.mesh):
+        return sampling.sample_window(
+            run.model,
+            run.params,
+            prefix,
+            rng,
+            grid_shape or run.vqgan.grid_shape,
+            run.vqgan.grid_shape,
+            null_prefix=null,
+            **settings,
+        )
 
 
 def decode(run: TrainedPrior, codes) -> np.ndarray:
     """Codes ``[batch, h, w]`` -> pixels ``[batch, H, W, C]`` (in [0, 1] for a good VQGAN)."""
+    # Through the host: codes sampled on a mesh live on its devices, the VQGAN on one.
     decoded = vqgan_task.compiled_method(run.vqgan.model, "decode_indices")(
-        run.vqgan.variables, jnp.asarray(codes, jnp.int32)
+        run.vqgan.variables, jnp.asarray(np.asarray(codes), jnp.int32)
     )
     return data.denormalize(np.asarray(decoded), run.vqgan.config.data)
 
@@ -138,9 +202,10 @@ def complete_test_images(run: TrainedPrior, number: int, rows: int, rng, **setti
         )
     images, codes, labels = prior_task.first_codes(run.vqgan, number)
     prefix, null = _prefixes(run, labels, number, settings.get("guidance"))
-    completed = sampling.complete(
-        run.model, run.params, prefix, codes, rows, rng, null_prefix=null, **settings
-    )
+    with on_mesh(run.mesh):
+        completed = sampling.complete(
+            run.model, run.params, prefix, codes, rows, rng, null_prefix=null, **settings
+        )
     originals = data.denormalize(images, run.vqgan.config.data)
     kept = decode(run, codes)
     kept[:, rows * kept.shape[1] // height :] = 0.5
@@ -166,6 +231,7 @@ def run_command(args) -> str:
     if args.grid and args.complete:
         raise ValueError("--grid and --complete are separate modes: pass one of them")
     grid = parse_grid(args.grid) if args.grid else None
+    mesh = parse_mesh(args.mesh) if args.mesh else None
     default_name = (
         "completion.png" if args.complete else f"grid_{args.grid}.png" if grid else "sample.png"
     )
@@ -173,7 +239,7 @@ def run_command(args) -> str:
     if storage.exists(out) and not args.force:
         raise ValueError(f"{out!r} exists; pass --force to overwrite it (or --out elsewhere)")
     check_statistics_args(args)
-    run = load_prior(args.workdir, args.step)
+    run = load_prior(args.workdir, args.step, mesh)
     num_classes = run.config.num_classes
     if args.class_id is not None and num_classes == 0:
         raise ValueError(f"--class {args.class_id}: this prior is unconditional (num_classes = 0)")
@@ -278,6 +344,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--rows", type=int, default=None, help="code rows kept (default: half)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="sample on a mesh, e.g. model=2 or data=2,model=2 (tensor parallelism over model)",
+    )
     parser.add_argument("--out", default=None, help="PNG path (default: in --workdir)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
     parser.add_argument(

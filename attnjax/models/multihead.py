@@ -26,6 +26,10 @@ PARAM_AXES = (
     # One head_dim-sized LayerNorm shared by every head: no head axis to split.
     (r"(^|/)(q_norm|k_norm)/(scale|bias)$", (None,)),
 )
+# Logical axis names of the key/value cache ``[batch, max_length, heads, dim]``: a mesh's rules
+# that name all three keep each device's heads of it (and its rows of the batch) where its
+# projections compute them. Rules that leave one unnamed (training's) constrain nothing.
+CACHE_AXES = ("batch", "length", "heads", None)
 
 
 class MultiHeadAttention(nn.Module):
@@ -39,11 +43,12 @@ class MultiHeadAttention(nn.Module):
 
     With ``decode=True`` (self-attention only) a ``cache`` collection holds ``cached_key``
     ``[batch, max_length, heads, head_dim]``, ``cached_value`` ``[batch, max_length, heads,
-    value_dim]`` and ``cache_index`` (int32). ``init`` with a ``[batch, max_length, features]``
-    input allocates it; each ``apply(..., chunk, mutable=["cache"])`` with ``T >= 1`` new tokens
-    writes them at ``cache_index`` and lets them attend causally to every cached position up to
-    their own, so a prompt can be pre-filled in one call and then extended one token at a time.
-    Writing past ``max_length`` is not detected inside ``jit``; callers keep count.
+    value_dim]`` (both named ``CACHE_AXES``) and ``cache_index`` (int32). ``init`` with a
+    ``[batch, max_length, features]`` input allocates it; each ``apply(..., chunk,
+    mutable=["cache"])`` with ``T >= 1`` new tokens writes them at ``cache_index`` and lets them
+    attend causally to every cached position up to their own, so a prompt can be pre-filled in
+    one call and then extended one token at a time. Writing past ``max_length`` is not detected
+    inside ``jit``; callers keep count.
 
     Attributes:
       num_heads: number of heads.
@@ -199,10 +204,12 @@ class MultiHeadAttention(nn.Module):
                 f"cache {cached_key.value.shape} (batch must match, length <= max_length)"
             )
         index = cache_index.value
-        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
-        cached_value.value = jax.lax.dynamic_update_slice(
-            cached_value.value, value, (0, index, 0, 0)
-        )
+        for cached, new in ((cached_key, key), (cached_value, value)):
+            cached.value = nn.with_logical_constraint(
+                jax.lax.dynamic_update_slice(cached.value, new, (0, index, 0, 0)),
+                CACHE_AXES,
+                fallback=nn.spmd.RulesFallback.NO_CONSTRAINT,
+            )
         cache_index.value = index + chunk
         query_positions = index + jnp.arange(chunk)
         visible = jnp.arange(max_length)[None, :] <= query_positions[:, None]  # [T, max_length]

@@ -11,6 +11,18 @@ tokens for the same key:
 Logits are ``[batch, vocab]`` per step; sequences are ``[batch, length]`` int32. Classifier-free
 guidance runs the model on ``2 batch`` rows (the conditional prefixes, then the unconditional
 ones) and draws from ``u + w (c - u)``; see ``attnjax.models.gpt`` for the vocabulary and prefixes.
+
+On a mesh (tensor parallelism): place the parameters by the prior's partition rules and sample
+under the mesh and Flax logical axis rules that name the key/value caches' axes
+(``attnjax.models.multihead.CACHE_AXES``); each device then keeps its heads' slice of every
+cache, and the tokens are one device's. ``attnjax.inference.generate``'s ``place_params`` and
+``on_mesh`` do both::
+
+    with generate.on_mesh(mesh):
+        tokens = sample(model, generate.place_params(params, mesh), prefix, rng, steps)
+
+The rules in force are a static argument of the compiled samplers, so sampling under other rules
+(or none) compiles anew rather than reuse a program laid out for the first.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -117,13 +130,26 @@ def _check_lengths(model: GPT, prefix, steps):
         )
 
 
+def _axis_rules() -> tuple:
+    """Flax's logical axis rules in force, hashable: jit's cache keys do not see them."""
+    return tuple(
+        (name, tuple(axes) if isinstance(axes, list) else axes)
+        for name, axes in nn.get_logical_axis_rules()
+    )
+
+
+def _apply(model: GPT, variables, tokens, axis_rules: tuple, **kwargs):
+    with nn.logical_axis_rules(axis_rules):
+        return model.apply(variables, tokens, **kwargs)
+
+
 def _both_halves(token, settings: SamplingSettings):
     """The picked ``[batch]`` tokens for every row the model runs (both halves under guidance)."""
     return token if settings.guidance is None else jnp.concatenate([token, token])
 
 
-@functools.partial(jax.jit, static_argnames=("model", "steps", "settings"))
-def _sample_cached(model, params, prefix, rng, steps, settings):
+@functools.partial(jax.jit, static_argnames=("model", "steps", "settings", "axis_rules"))
+def _sample_cached(model, params, prefix, rng, steps, settings, axis_rules):
     decoder = model.clone(decode=True)
     rows, prefix_length = prefix.shape
     shapes = jax.eval_shape(
@@ -132,8 +158,8 @@ def _sample_cached(model, params, prefix, rng, steps, settings):
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
     def forward(cache, tokens):
-        logits, updated = decoder.apply(
-            {"params": params, "cache": cache}, tokens, mutable=["cache"]
+        logits, updated = _apply(
+            decoder, {"params": params, "cache": cache}, tokens, axis_rules, mutable=["cache"]
         )
         return updated["cache"], _guide(logits[:, -1].astype(jnp.float32), settings)
 
@@ -154,8 +180,8 @@ def _sample_cached(model, params, prefix, rng, steps, settings):
     return tokens, jnp.swapaxes(logits_seen, 0, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "steps", "settings"))
-def _sample_recompute(model, params, prefix, rng, steps, settings):
+@functools.partial(jax.jit, static_argnames=("model", "steps", "settings", "axis_rules"))
+def _sample_recompute(model, params, prefix, rng, steps, settings, axis_rules):
     rows, prefix_length = prefix.shape
     batch = rows if settings.guidance is None else rows // 2
     # Positions past the current one hold zeros; the causal mask keeps them out of its logits.
@@ -164,7 +190,7 @@ def _sample_recompute(model, params, prefix, rng, steps, settings):
 
     def step(i, carry):
         buffer, logits_seen = carry
-        all_logits = model.apply({"params": params}, buffer[:, :-1])
+        all_logits = _apply(model, {"params": params}, buffer[:, :-1], axis_rules)
         logits = jax.lax.dynamic_index_in_dim(all_logits, prefix_length - 1 + i, 1, keepdims=False)
         logits = _guide(logits.astype(jnp.float32), settings)
         token = _both_halves(_pick(logits, jax.random.fold_in(rng, i), settings), settings)
@@ -200,7 +226,7 @@ def _prepare(model, prefix, steps, settings: SamplingSettings, null_prefix):
 
 def _sample(sampler, model, params, prefix, rng, steps, settings: SamplingSettings, null_prefix):
     prefix, settings = _prepare(model, prefix, steps, settings, null_prefix)
-    return sampler(model, params, prefix, rng, steps, settings)
+    return sampler(model, params, prefix, rng, steps, settings, _axis_rules())
 
 
 def sample(
@@ -302,8 +328,8 @@ def window_schedule(grid_shape, window_shape, start: int = 0):
     return jnp.asarray(rows, jnp.int32).reshape(-1, 5)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "window_shape", "settings"))
-def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, settings):
+@functools.partial(jax.jit, static_argnames=("model", "window_shape", "settings", "axis_rules"))
+def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, settings, axis_rules):
     decoder = model.clone(decode=True)
     rows, prefix_length = prefix.shape
     window_height, window_width = window_shape
@@ -314,8 +340,8 @@ def _sample_window(model, params, prefix, codes, schedule, rng, window_shape, se
     empty_cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
     def run(cache, tokens):
-        logits, updated = decoder.apply(
-            {"params": params, "cache": cache}, tokens, mutable=["cache"]
+        logits, updated = _apply(
+            decoder, {"params": params, "cache": cache}, tokens, axis_rules, mutable=["cache"]
         )
         return updated["cache"], logits.astype(jnp.float32)
 
@@ -428,8 +454,9 @@ def sample_window(
     if guidance is not None:
         codes = jnp.concatenate([codes, codes])
     schedule = window_schedule((height, width), (window_height, window_width), start)
+    window = (window_height, window_width)
     sampled, logits = _sample_window(
-        model, params, prefix, codes, schedule, rng, (window_height, window_width), settings
+        model, params, prefix, codes, schedule, rng, window, settings, _axis_rules()
     )
     return (sampled, logits) if return_logits else sampled
 

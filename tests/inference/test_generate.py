@@ -76,6 +76,20 @@ def test_class_samples_equal_the_tasks_sampler(prior_workdir, tmp_path):
     assert np.abs(read_png(out).astype(int) - expected_png.astype(int)).max() <= 1
 
 
+def test_on_a_mesh_the_same_png(prior_workdir, tmp_path):
+    # --mesh's path (parameters placed by the prior's rules, the sampler under on_mesh) on this
+    # process's device; tests/models/test_sampling_sharded.py splits a prior over eight.
+    flags = ["--workdir", prior_workdir, "--class", "3", "--number", "4", "--seed", "4"]
+    plain = generate.main([*flags, "--out", str(tmp_path / "plain.png")])
+    on_mesh = generate.main([*flags, "--mesh", "model=1", "--out", str(tmp_path / "mesh.png")])
+    np.testing.assert_array_equal(read_png(on_mesh), read_png(plain))
+    with pytest.raises(ValueError, match="--mesh must be axis=size pairs"):
+        generate.parse_mesh("model:2")
+    too_many = jax.device_count() + 1
+    with pytest.raises(ValueError, match=f"--mesh model={too_many} needs {too_many} devices"):
+        generate.parse_mesh(f"model={too_many}")
+
+
 def test_sliding_window_grid_and_completion_pngs(prior_workdir, tmp_path, digits_dir):
     scale = checkpoint.read_config(prior_workdir).sampling.png_scale
     wide = generate.main(
