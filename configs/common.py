@@ -185,9 +185,10 @@ def prior(vqgan_workdir: str) -> ml_collections.ConfigDict:
     # unconditional model, for classifier-free guidance
     config.data = ml_collections.ConfigDict(dict(train_shifts=0))
     config.model_name = "gpt"
-    # + n_layer, n_head, n_embd; remat recomputes each block in the backward pass
+    # + n_layer, n_head, n_embd; remat recomputes each block in the backward pass;
+    # vocab_multiple pads the vocabulary to a multiple a `model` mesh axis divides
     config.model = ml_collections.ConfigDict(
-        dict(embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1, remat=False)
+        dict(embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1, remat=False, vocab_multiple=1)
     )
     config.sampling = ml_collections.ConfigDict(
         dict(

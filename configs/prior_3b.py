@@ -21,9 +21,7 @@ def get_config():
     config.vqgan_codes.n_embed = 16384
     config.vqgan_codes.grid = (16, 16)
     config.num_classes = 1000
-    # No null class: 16384 + 1000 = 17384 tokens split evenly over model=8; the null token of
-    # classifier-free guidance would make 17385, which no model axis divides.
-    config.class_dropout = 0.0
+    config.class_dropout = 0.1  # LlamaGen's: the null class of classifier-free guidance
 
     config.model.n_layer = 24
     config.model.n_head = 32
@@ -31,10 +29,13 @@ def get_config():
     config.model.embd_pdrop = 0.1  # LlamaGen's token, residual and FFN dropout; none on attention
     config.model.resid_pdrop = 0.1
     config.model.attn_pdrop = 0.0
+    # 16384 codes + 1000 classes + the null class = 17385 tokens, which no model axis divides:
+    # padded to 17408 (Megatron's multiple of 128), split evenly over model = 1 to 128.
+    config.model.vocab_multiple = 128
     config.compute_dtype = "bfloat16"  # bf16 matrix units; float32 parameters and optimiser
 
     # Megatron's layout over `model` (8 divides the 32 heads, the MLP's 12800 units and the
-    # 17384 tokens); the rest of the devices split the batch and every parameter (fsdp).
+    # 17408 padded tokens); the rest of the devices split the batch and every parameter (fsdp).
     config.mesh = {"data": 1, "fsdp": -1, "model": 8}
 
     config.learning_rate = 1e-4

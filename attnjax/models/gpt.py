@@ -45,6 +45,9 @@ from attnjax.models.multihead import MultiHeadAttention
 Array = jax.Array
 _INIT = nn.initializers.normal(stddev=0.02)  # minGPT's init for Linear and Embedding weights
 _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
+# The logit of a padding id: finite, so that guidance's difference of two logits stays 0 there
+# (two -inf would give NaN), and far enough below any real logit that exp() of it is 0.
+PADDED_LOGIT = -1e30
 # Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
 # mesh): the attention's, the MLP's hidden units, and the vocabulary of the embedding and head.
 PARAM_AXES = ATTENTION_AXES + (
@@ -104,7 +107,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """minGPT: ``indices [batch, length] -> logits [batch, length, vocab_size]``, causal.
+    """minGPT: ``indices [batch, length] -> logits [batch, length, padded_vocab_size]``, causal.
+
+    ``vocab_multiple`` > 1 pads the embedding's rows and the head's columns up to a multiple of
+    it (Megatron's ``--make-vocab-size-divisible-by``), so that a ``model`` mesh axis splits the
+    vocabulary evenly whatever the codebook and class count (a class-conditional prior with a
+    null class has an odd vocabulary: 16384 + 1000 + 1). The padded ids are never fed in, and
+    their logits are ``PADDED_LOGIT``: no probability, no gradient, never sampled; the logits
+    keep the padded width, which slicing would unbalance over the vocabulary's shards.
 
     With ``decode=True`` the model keeps a ``cache`` collection (the attention caches and
     ``position``, the index of the next position embedding); ``init`` with a
@@ -123,6 +133,11 @@ class GPT(nn.Module):
     decode: bool = False
     dtype: Any = None  # computation dtype (e.g. jnp.bfloat16); parameters stay float32
     remat: bool = False  # recompute each block in the backward pass: memory for compute
+    vocab_multiple: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @nn.compact
     def __call__(self, indices, *, deterministic: bool = True):
@@ -134,8 +149,14 @@ class GPT(nn.Module):
                 f"GPT: sequence length {length} exceeds block_size={self.block_size} "
                 f"(indices shape {indices.shape})"
             )
+        if self.vocab_multiple < 1:
+            raise ValueError(f"GPT: vocab_multiple must be >= 1, got {self.vocab_multiple}")
         tokens = nn.Embed(
-            self.vocab_size, self.n_embd, embedding_init=_INIT, dtype=self.dtype, name="tok_emb"
+            self.padded_vocab_size,
+            self.n_embd,
+            embedding_init=_INIT,
+            dtype=self.dtype,
+            name="tok_emb",
         )(indices)
         pos_emb = self.param("pos_emb", nn.initializers.zeros, (1, self.block_size, self.n_embd))
         start = 0
@@ -162,9 +183,13 @@ class GPT(nn.Module):
             )(x, deterministic)
         x = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln_f")(x)
         head = nn.Dense(
-            self.vocab_size, use_bias=False, kernel_init=_INIT, dtype=self.dtype, name="head"
+            self.padded_vocab_size, use_bias=False, kernel_init=_INIT, dtype=self.dtype, name="head"
         )
-        return head(x).astype(jnp.float32)  # the loss and the sampler's filters in float32
+        logits = head(x).astype(jnp.float32)  # the loss and the sampler's filters in float32
+        if self.padded_vocab_size > self.vocab_size:
+            real = jnp.arange(self.padded_vocab_size) < self.vocab_size
+            logits = jnp.where(real, logits, PADDED_LOGIT)
+        return logits
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def _sample_recompute(model, params, prefix, rng, steps, settings, axis_rules):
     batch = rows if settings.guidance is None else rows // 2
     # Positions past the current one hold zeros; the causal mask keeps them out of its logits.
     buffer = jnp.zeros((rows, prefix_length + steps), jnp.int32).at[:, :prefix_length].set(prefix)
-    logits_seen = jnp.zeros((batch, steps, model.vocab_size), jnp.float32)
+    logits_seen = jnp.zeros((batch, steps, model.padded_vocab_size), jnp.float32)
 
     def step(i, carry):
         buffer, logits_seen = carry

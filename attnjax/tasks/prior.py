@@ -163,7 +163,7 @@ def _check_labels(config, *label_arrays):
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     image_metrics.check_config(config)  # before training, not after it
     sharding.check_model_axis(  # minGPT's MLP is 4 x n_embd wide
-        config, n_head=model.n_head, mlp_dim=4 * model.n_embd, vocab_size=model.vocab_size
+        config, n_head=model.n_head, mlp_dim=4 * model.n_embd, vocab_size=model.padded_vocab_size
     )
     codes = jnp.asarray(example_batch["codes"][:1])
     params = executables.jit(config, "init", lambda r, x: model.init(r, x)["params"])(rng, codes)

@@ -157,3 +157,41 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits():
     scale = float(jnp.max(jnp.abs(full_logits)))
     assert float(jnp.max(jnp.abs(half_logits - full_logits))) < 2e-2 * scale
     assert float(jnp.max(jnp.abs(half_logits - full_logits))) > 0  # bf16 did run
+
+
+def test_a_padded_vocabulary_changes_no_probability_and_no_gradient():
+    # vocab 11 padded to 16: the real ids' logits, the loss and its gradients are those of the
+    # unpadded model holding the same rows and columns; the padding gets no probability.
+    sizes = dict(block_size=6, n_layer=1, n_head=2, n_embd=8)
+    padded_model = gpt.GPT(vocab_size=11, vocab_multiple=8, **sizes)
+    plain_model = gpt.GPT(vocab_size=11, **sizes)
+    assert padded_model.padded_vocab_size == 16
+    codes = jax.random.randint(jax.random.key(1), (3, 6), 0, 11)
+    padded = padded_model.init(jax.random.key(0), codes)["params"]
+    assert padded["tok_emb"]["embedding"].shape == (16, 8) and padded["head"]["kernel"].shape == (
+        8,
+        16,
+    )
+    plain = {
+        **padded,
+        "tok_emb": {"embedding": padded["tok_emb"]["embedding"][:11]},
+        "head": {"kernel": padded["head"]["kernel"][:, :11]},
+    }
+
+    def loss(model, params):
+        logits = model.apply({"params": params}, codes)
+        return gpt.cross_entropy(logits, codes), logits
+
+    (padded_loss, padded_logits), padded_grads = jax.value_and_grad(
+        lambda p: loss(padded_model, p), has_aux=True
+    )(padded)
+    (plain_loss, plain_logits), plain_grads = jax.value_and_grad(
+        lambda p: loss(plain_model, p), has_aux=True
+    )(plain)
+    assert_relative(padded_logits[..., :11], plain_logits, 1e-6)
+    np.testing.assert_array_equal(padded_logits[..., 11:], np.float32(gpt.PADDED_LOGIT))
+    assert_relative(padded_loss, plain_loss, 1e-6)
+    head = padded_grads["head"]["kernel"]
+    np.testing.assert_array_equal(head[:, 11:], 0.0)
+    assert_relative(head[:, :11], plain_grads["head"]["kernel"], 1e-5)
+    np.testing.assert_array_equal(padded_grads["tok_emb"]["embedding"][11:], 0.0)

@@ -14,7 +14,9 @@ def test_3b_parameter_count_from_shapes_alone():
     model = task.create_model(config)
     batch = task.abstract_batch(config, 2)
     state = loop.abstract_train_state(config, task, model, batch, jax.random.key(0))
-    width, depth, tokens, vocab = 3200, 24, 16 * 16, 16384 + 1000  # codes, class tokens
+    # codes, class tokens and the null class, padded up to a multiple of 128
+    width, depth, tokens, vocab = 3200, 24, 16 * 16, 17408
+    assert model.vocab_size == 16384 + 1000 + 1 and vocab % 128 == 0 and vocab - 128 < 17385
     attention = 4 * (width * width + width)  # query, key, value, out with biases
     mlp = width * 4 * width + 4 * width + 4 * width * width + width  # fc1, fc2
     norms = 2 * 2 * width  # ln1, ln2: scale and bias
@@ -22,6 +24,6 @@ def test_3b_parameter_count_from_shapes_alone():
     final = 2 * width + width * vocab  # ln_f, head (no bias)
     expected = depth * (attention + mlp + norms) + embeddings + final
     count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state.params))
-    assert count == expected == 3_062_201_600
+    assert count == expected == 3_062_355_200
     assert jax.tree.leaves(state.params)[0].dtype == np.float32  # bf16 compute, f32 parameters
     assert model.dtype == jax.numpy.bfloat16 and config.mesh["model"] == 8
