@@ -32,6 +32,10 @@ def get_config():
     # 16384 codes + 1000 classes + the null class = 17385 tokens, which no model axis divides:
     # padded to 17408 (Megatron's multiple of 128), split evenly over model = 1 to 128.
     config.model.vocab_multiple = 128
+    # Recompute each block in the backward pass: with fsdp over every chip, XLA otherwise keeps
+    # all 24 layers' gathered weights for the backward (18.8 GiB of temporaries at one example
+    # per v5e chip; benchmarks/results/fit_tables.md).
+    config.model.remat = True
     config.compute_dtype = "bfloat16"  # bf16 matrix units; float32 parameters and optimiser
 
     # Megatron's layout over `model` (8 divides the 32 heads, the MLP's 12800 units and the

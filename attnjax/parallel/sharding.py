@@ -35,6 +35,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,9 +107,15 @@ def make_mesh(mesh_config=None, devices: Sequence[jax.Device] | None = None) -> 
         )
     names = tuple(sizes)
     shape = tuple(int(sizes[name]) for name in names)
-    return jax.make_mesh(
-        shape, names, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(names)
-    )
+    axis_types = (jax.sharding.AxisType.Auto,) * len(names)
+    try:
+        return jax.make_mesh(shape, names, devices=devices, axis_types=axis_types)
+    except NotImplementedError:
+        # An axis that is no product of whole physical axes (model 2 on a 4x4x4 v5p slice):
+        # JAX's placement refuses it unless told to split a physical axis, which it does only
+        # for v5e by itself. Each mesh axis still gets neighbouring chips.
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, names, axis_types=axis_types)
 
 
 def batch_spec(mesh: Mesh) -> P:

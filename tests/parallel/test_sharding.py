@@ -169,3 +169,19 @@ def test_fsdp_spec_takes_the_largest_dimension_the_axis_divides():
 def test_bad_mesh_names_the_problem(mesh, message):
     with pytest.raises(ValueError, match=message):
         sharding.make_mesh(mesh)
+
+
+@pytest.mark.parametrize("model", [2, 4, 8])
+def test_a_model_axis_that_splits_a_physical_axis_gets_neighbouring_chips(model):
+    # On a 4x4x4 v5p slice a model axis of 2 is no product of whole physical axes, which JAX's
+    # own placement refuses; each model group must still fill a box of neighbouring chips.
+    from attnjax.compile import targets
+
+    devices = list(targets.parse("tpu:v5p:4x4x4").devices)
+    mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "model": model}, devices)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 64 // model, "model": model}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+    for group in mesh.devices.reshape(-1, model):
+        coords = np.array([d.coords for d in group])
+        box = coords.max(axis=0) - coords.min(axis=0) + 1
+        assert np.prod(box) == model, coords.tolist()
