@@ -25,8 +25,8 @@ MESHES = (
     {"data": 2, "fsdp": 2, "model": 2},
 )
 # The tiny models, set by train.py's flags. ViT: 8x8 images in 4x4 patches (5 tokens), width 24,
-# 4 heads, MLP 64. Prior: 2x2 codes of 21 (vocabulary 21 + 10 classes + the null token = 32),
-# width 24, 4 heads, MLP 96.
+# 4 heads, MLP 64, ViT-22B's block (the script sets it). Prior: 2x2 codes of 21 (vocabulary 21 +
+# 10 classes + the null token = 32), width 24, 4 heads, MLP 96.
 VIT_FLAGS = (
     "--config=configs/vit_digits.py",
     "--config.model.width=24",
@@ -74,6 +74,10 @@ SCRIPT = textwrap.dedent(r"""
         config = values.config
         if config.task == "prior":
             config.vqgan_codes.grid = (2, 2)
+        else:  # ViT-22B's block: attention and MLP in parallel, q/k LayerNorm, fewer biases
+            with config.unlocked():
+                config.model.update(parallel_block=True, qk_norm=True, qkv_bias=False,
+                                    layer_norm_bias=False)
         return config
 
     def placement(rules, config_flags_, mesh, devices=None):
@@ -140,6 +144,10 @@ SCRIPT = textwrap.dedent(r"""
         model = task.create_model(config)
         host = jax.device_get(
             task.create_train_state(jax.random.PRNGKey(0), config, model, batches[name][0]))
+        if name == "vit":  # one LayerNorm before both branches, q/k normed, no q/k/v biases
+            block = host.params["blocks_0"]
+            assert "norm2" not in block and "q_norm" in block["attn"], list(block)
+            assert "bias" not in block["attn"]["query"] and "bias" not in block["norm1"]
         train_step = functools.partial(task.train_step, config=config, model=model)
         state = layouts(name, task.SHARDING_RULES, task_flags, train_step, host, batches[name],
                         lambda params: params["blocks_0"]["attn"]["query"]["kernel"])
