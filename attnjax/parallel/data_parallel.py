@@ -63,6 +63,28 @@ def _int_from_env(name: str) -> int | None:
         raise ValueError(f"${name}={value!r} is not an integer.") from None
 
 
+_WARNED = set()
+
+
+def _warn_left_whole(whole: list, mesh) -> None:
+    """One warning per layout where fsdp leaves large arrays whole on every device."""
+    if not whole or (key := (tuple(whole), tuple(mesh.shape.items()))) in _WARNED:
+        return
+    _WARNED.add(key)
+    name, shape, _ = whole[0]
+    gib = sum(size for _, _, size in whole) / (1 << 30)
+    logging.warning(
+        "config.mesh.fsdp=%d divides no dimension of %d arrays of the train state (%.2f GiB, "
+        "e.g. %s %s): every device holds them whole; an fsdp size that divides them, or a model "
+        "axis, would split them",
+        mesh.shape[sharding.FSDP],
+        len(whole),
+        gib,
+        name,
+        list(shape),
+    )
+
+
 def maybe_initialize_distributed(config=None) -> None:
     """Joins this process to a multi-process JAX runtime when asked; else does nothing.
 
@@ -293,6 +315,7 @@ class DataParallel:
 
     def state_shardings(self, state):
         """The partition rules applied to ``state`` (a tree of ``NamedSharding``; jit mode)."""
+        _warn_left_whole(sharding.left_whole(state, self.mesh, self.rules), self.mesh)
         return sharding.tree_shardings(state, self.mesh, self.rules)
 
     def place_state(self, state):

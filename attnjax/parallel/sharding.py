@@ -193,6 +193,28 @@ def tree_shardings(tree, mesh: Mesh, rules):
     )
 
 
+def left_whole(tree, mesh: Mesh, rules, min_bytes: int = 1 << 20) -> list:
+    """The arrays of ``tree`` (``min_bytes`` or more) that a rule splits over ``fsdp`` but that
+    every device holds whole, because the fsdp axis divides none of their dimensions (width 3200
+    over 256 chips): ``[(path, shape, bytes)]``, largest first. Empty without an fsdp axis."""
+    if dict(mesh.shape).get(FSDP, 1) == 1:
+        return []
+    whole = []
+
+    def visit(path, x):
+        if not hasattr(x, "dtype"):
+            return
+        name, shape = path_name(path), tuple(np.shape(x))
+        size = math.prod(shape) * np.dtype(x.dtype).itemsize
+        rule = next((spec for pattern, spec in rules if re.search(pattern, name)), None)
+        split = rule == FSDP or isinstance(rule, Logical)
+        if split and size >= min_bytes and FSDP not in leaf_spec(name, shape, mesh, rules):
+            whole.append((name, shape, size))
+
+    jax.tree_util.tree_map_with_path(visit, tree)
+    return sorted(whole, key=lambda item: -item[2])
+
+
 def rules_for(config, default_rules=None):
     """``config.partition_rules`` (pairs of regex and ``"fsdp"`` or a tuple of axis names) if
     set, else ``default_rules`` (the task's ``SHARDING_RULES``), else everything replicated."""

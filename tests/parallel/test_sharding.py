@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT, assert_close, xla_flags
 from jax.sharding import PartitionSpec as P
 
+from attnjax.models import gpt
 from attnjax.parallel import sharding
 from attnjax.tasks import classification
 from attnjax.train import checkpoint
@@ -185,3 +186,25 @@ def test_a_model_axis_that_splits_a_physical_axis_gets_neighbouring_chips(model)
         coords = np.array([d.coords for d in group])
         box = coords.max(axis=0) - coords.min(axis=0) + 1
         assert np.prod(box) == model, coords.tolist()
+
+
+def test_arrays_fsdp_cannot_split_are_named():
+    # Width 3200 over 256 chips: no dimension of a [3200, 3200] kernel divides, its [3200,
+    # 12800] neighbour's second does; small arrays and replicated rules are not reported.
+    mesh = jax.sharding.AbstractMesh((256, 1), ("fsdp", "model"))
+    shape = lambda *dims: jax.ShapeDtypeStruct(dims, np.float32)
+    state = {
+        "params": {
+            "blocks_0": {
+                "attn": {"query": {"kernel": shape(3200, 3200), "bias": shape(3200)}},
+                "mlp": {"fc1": {"kernel": shape(3200, 12800)}},
+            },
+            "pos_emb": shape(1, 256, 3200),
+        }
+    }
+    rules = (*sharding.logical_rules(gpt.PARAM_AXES), ("pos_emb", P()), sharding.SPLIT_REST)
+    assert sharding.left_whole(state, mesh, rules) == [
+        ("params/blocks_0/attn/query/kernel", (3200, 3200), 3200 * 3200 * 4)
+    ]
+    model_2 = jax.sharding.AbstractMesh((128, 2), ("fsdp", "model"))
+    assert sharding.left_whole(state, model_2, rules) == []
