@@ -1,5 +1,7 @@
 """attnjax.models.gpt against taming's minGPT and net2net objective."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -167,7 +169,7 @@ def test_a_padded_vocabulary_changes_no_probability_and_no_gradient():
     plain_model = gpt.GPT(vocab_size=11, **sizes)
     assert padded_model.padded_vocab_size == 16
     codes = jax.random.randint(jax.random.key(1), (3, 6), 0, 11)
-    padded = padded_model.init(jax.random.key(0), codes)["params"]
+    padded = jax.jit(padded_model.init)(jax.random.key(0), codes)["params"]
     assert padded["tok_emb"]["embedding"].shape == (16, 8) and padded["head"]["kernel"].shape == (
         8,
         16,
@@ -178,16 +180,14 @@ def test_a_padded_vocabulary_changes_no_probability_and_no_gradient():
         "head": {"kernel": padded["head"]["kernel"][:, :11]},
     }
 
+    @functools.partial(jax.jit, static_argnums=0)
+    @functools.partial(jax.value_and_grad, argnums=1, has_aux=True)
     def loss(model, params):
         logits = model.apply({"params": params}, codes)
         return gpt.cross_entropy(logits, codes), logits
 
-    (padded_loss, padded_logits), padded_grads = jax.value_and_grad(
-        lambda p: loss(padded_model, p), has_aux=True
-    )(padded)
-    (plain_loss, plain_logits), plain_grads = jax.value_and_grad(
-        lambda p: loss(plain_model, p), has_aux=True
-    )(plain)
+    (padded_loss, padded_logits), padded_grads = loss(padded_model, padded)
+    (plain_loss, plain_logits), plain_grads = loss(plain_model, plain)
     assert_relative(padded_logits[..., :11], plain_logits, 1e-6)
     np.testing.assert_array_equal(padded_logits[..., 11:], np.float32(gpt.PADDED_LOGIT))
     assert_relative(padded_loss, plain_loss, 1e-6)
