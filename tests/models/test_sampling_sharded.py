@@ -12,9 +12,9 @@ import textwrap
 import pytest
 from helpers import ROOT, assert_relative, xla_flags
 
-# One layer of width 24, 4 heads of 6, over a 3x3 grid (9 tokens; 21 codes, 10 classes, the null
-# token: vocabulary 32). 4 class rows and their 4 null rows under guidance: the whole cache of a
-# layer is f32[8,9,4,6], [rows, length, heads, head_dim].
+# One layer of width 24, 4 heads of 6, over a 3x3 grid (9 tokens; 21 codes, 11 classes, the null
+# token: vocabulary 33, which no model axis divides, padded to 40). 4 class rows and their 4 null
+# rows under guidance: the whole cache of a layer is f32[8,9,4,6], [rows, length, heads, head_dim].
 SCRIPT = textwrap.dedent("""
     import contextlib, json, re
     import flax.linen as nn
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from attnjax.models import gpt, sampling
     from attnjax.parallel import sharding
 
-    model = gpt.GPT(vocab_size=32, block_size=9, n_layer=1, n_head=4, n_embd=24)
+    model = gpt.GPT(vocab_size=33, vocab_multiple=8, block_size=9, n_layer=1, n_head=4, n_embd=24)
     params = model.init(jax.random.key(0), jnp.zeros((1, 9), jnp.int32))["params"]
     # Every parameter random: minGPT's init leaves biases, norms and positions constant.
     leaves, tree = jax.tree.flatten(params)
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
         def draw(params, prefix, rng):
             return sampling.sample(model, params, prefix, rng, 9, temperature=0.9, top_k=8,
                                    num_codes=21, guidance=2.0,
-                                   null_prefix=jnp.full_like(prefix, 31),
+                                   null_prefix=jnp.full_like(prefix, 32),
                                    return_logits=True)
         placed = params if mesh is None else generate.place_params(params, mesh)
         with contextlib.ExitStack() as stack:
