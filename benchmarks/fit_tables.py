@@ -47,7 +47,7 @@ INTERCONNECT = {"tpu:v5p": 4800e9 / 8, "tpu:v5e": 1600e9 / 8, "gpu:h100": 900e9}
 # (row name, config, target, the largest batch to try per device)
 ROWS = (
     ("vit_22b", "configs/vit_22b.py", "tpu:v5p:4x4x4", 256),
-    ("prior_3b", "configs/prior_3b.py", "tpu:v5e:16x16", 256),
+    ("prior_3b", "configs/prior_3b.py", "tpu:v5e:4x4", 256),
     ("prior_3b", "configs/prior_3b.py", "gpu:h100:8", 256),
 )
 
@@ -224,7 +224,11 @@ def _save(out: pathlib.Path, row: dict) -> None:
         current = json.loads(out.read_text()) if out.exists() else []
         key = (row["name"], row["target"])
         rows = [r for r in current if (r["name"], r["target"]) != key] + [row]
-        rows.sort(key=lambda r: order.index((r["name"], r["target"])))
+        rows.sort(
+            key=lambda r: (
+                order.index(r_key) if (r_key := (r["name"], r["target"])) in order else len(order)
+            )
+        )
         out.write_text(json.dumps(rows, indent=1) + "\n")
         out.with_suffix(".md").write_text(markdown(rows))
 
@@ -237,6 +241,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", default="", help="row names, comma-separated")
+    parser.add_argument("--target", default="", help="only the rows of this target")
     parser.add_argument("--models", default=",".join(map(str, MODELS)))
     parser.add_argument("--table", action="store_true", help="only rewrite the .md from the JSON")
     args = parser.parse_args()
@@ -246,6 +251,7 @@ def main() -> None:
         return
     models = [int(m) for m in args.models.split(",")]
     rows = [r for r in ROWS if not args.only or r[0] in args.only.split(",")]
+    rows = [r for r in rows if not args.target or r[2] == args.target]
     out = RESULTS / "fit_tables.json"
     saved = json.loads(out.read_text()) if out.exists() else []
     start, cells, done = time.perf_counter(), len(rows) * len(models), 0
