@@ -48,7 +48,7 @@ _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 # The logit of a padding id: finite, so that guidance's difference of two logits stays 0 there
 # (two -inf would give NaN), and far enough below any real logit that exp() of it is 0.
 PADDED_LOGIT = -1e30
-# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attention's, the MLP's hidden units, and the vocabulary of the embedding and head.
 PARAM_AXES = ATTENTION_AXES + (
     (r"(^|/)mlp/fc1/kernel$", ("embed", "mlp")),
@@ -102,7 +102,8 @@ class Block(nn.Module):
         y = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln2")(x)
         mlp = GPTMlp(self.resid_pdrop, dtype=self.dtype, name="mlp")
         x = x + mlp(y, deterministic=deterministic)
-        # The residual stream stays split by the batch (attnjax.train.sharding's activation rules).
+        # The residual stream stays split by the batch (attnjax.parallel.sharding's activation
+        # rules).
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 

@@ -16,7 +16,7 @@ from attnjax.ops.masks import check_mask_shape, combine_masks
 
 Array = jax.Array
 
-# Logical axis names of the parameters, by path (``attnjax.train.sharding`` lays them out on a
+# Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the projections into the heads by columns, the one out of them by rows.
 PARAM_AXES = (
     (r"(^|/)(query|key|value)/kernel$", ("embed", "heads")),
