@@ -63,28 +63,6 @@ def _int_from_env(name: str) -> int | None:
         raise ValueError(f"${name}={value!r} is not an integer.") from None
 
 
-_WARNED = set()
-
-
-def _warn_left_whole(whole: list, mesh) -> None:
-    """One warning per layout where fsdp leaves large arrays whole on every device."""
-    if not whole or (key := (tuple(whole), tuple(mesh.shape.items()))) in _WARNED:
-        return
-    _WARNED.add(key)
-    name, shape, _ = whole[0]
-    gib = sum(size for _, _, size in whole) / (1 << 30)
-    logging.warning(
-        "config.mesh.fsdp=%d divides no dimension of %d arrays of the train state (%.2f GiB, "
-        "e.g. %s %s): every device holds them whole; an fsdp size that divides them, or a model "
-        "axis, would split them",
-        mesh.shape[sharding.FSDP],
-        len(whole),
-        gib,
-        name,
-        list(shape),
-    )
-
-
 def maybe_initialize_distributed(config=None) -> None:
     """Joins this process to a multi-process JAX runtime when asked; else does nothing.
 
@@ -260,6 +238,28 @@ def placed_shapes(tree, shardings):
     without any values."""
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+_WARNED = set()
+
+
+def _warn_left_whole(whole: list, mesh) -> None:
+    """One warning per layout where fsdp leaves large arrays whole on every device."""
+    if not whole or (key := (tuple(whole), tuple(mesh.shape.items()))) in _WARNED:
+        return
+    _WARNED.add(key)
+    name, shape, _ = whole[0]
+    gib = sum(size for _, _, size in whole) / (1 << 30)
+    logging.warning(
+        "config.mesh.fsdp=%d divides no dimension of %d arrays of the train state (%.2f GiB, "
+        "e.g. %s %s): every device holds them whole; an fsdp size that divides them, or a model "
+        "axis, would split them",
+        mesh.shape[sharding.FSDP],
+        len(whole),
+        gib,
+        name,
+        list(shape),
     )
 
 

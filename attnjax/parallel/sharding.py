@@ -174,15 +174,18 @@ def logical_spec(name: str, shape: Sequence[int], mesh: Mesh, names: Sequence) -
     return P(*spec)
 
 
+def matching_rule(name: str, rules):
+    """The spec of the first rule whose pattern ``name`` matches, or None."""
+    return next((spec for pattern, spec in rules if re.search(pattern, name)), None)
+
+
 def leaf_spec(name: str, shape: Sequence[int], mesh: Mesh, rules) -> P:
-    for pattern, spec in rules:
-        if re.search(pattern, name):
-            if isinstance(spec, Logical) and dict(mesh.shape).get("model", 1) > 1:
-                return logical_spec(name, shape, mesh, spec.names)
-            if spec == FSDP or isinstance(spec, Logical):
-                return fsdp_spec(shape, mesh)
-            return spec
-    return P()
+    spec = matching_rule(name, rules)
+    if isinstance(spec, Logical) and dict(mesh.shape).get("model", 1) > 1:
+        return logical_spec(name, shape, mesh, spec.names)
+    if spec == FSDP or isinstance(spec, Logical):
+        return fsdp_spec(shape, mesh)
+    return P() if spec is None else spec
 
 
 def tree_shardings(tree, mesh: Mesh, rules):
@@ -206,7 +209,7 @@ def left_whole(tree, mesh: Mesh, rules, min_bytes: int = 1 << 20) -> list:
             return
         name, shape = path_name(path), tuple(np.shape(x))
         size = math.prod(shape) * np.dtype(x.dtype).itemsize
-        rule = next((spec for pattern, spec in rules if re.search(pattern, name)), None)
+        rule = matching_rule(name, rules)
         split = rule == FSDP or isinstance(rule, Logical)
         if split and size >= min_bytes and FSDP not in leaf_spec(name, shape, mesh, rules):
             whole.append((name, shape, size))
