@@ -32,8 +32,7 @@ from attnjax.ops import autotune
 from attnjax.parallel import data_parallel
 from attnjax.train import loop, performance
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_COLLECTIVE = re.compile(r"\b(" + "|".join(collective_bytes.KINDS) + r")(?:-start)?\(")
 # Custom calls that run a hand-written kernel (Pallas on TPU, Triton or cuDNN on GPU).
 _KERNEL = re.compile(
     r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|__cudnn\$[^"]*)"'
