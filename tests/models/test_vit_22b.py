@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, jax_logits, random_images, random_timm_vit, timm_logits
+from helpers import assert_relative, jax_logits, random_images, random_timm_vit, timm_logits
 from timm.layers import LayerNorm
 from timm.models.vision_transformer import Block, ParallelScalingBlock
 
@@ -42,12 +42,8 @@ def test_parallel_block_logits_and_gradients_match_timm():
     images = random_images(3, 16, seed=5)
     labels = np.array([0, 3, 1])
     expected = timm_logits(reference, images)
-    assert_close(
-        jax_logits(model, variables, images),
-        expected,
-        rtol=1e-5,
-        atol=1e-5 * np.abs(expected).max(),
-        what="parallel-block logits",
+    assert_relative(
+        jax_logits(model, variables, images), expected, 1e-5, what="parallel-block logits"
     )
 
     reference.zero_grad()
@@ -67,13 +63,7 @@ def test_parallel_block_logits_and_gradients_match_timm():
     assert len(leaves) == len(want)
     for path, grad in leaves:
         theirs = np.asarray(want[path])
-        assert_close(
-            grad,
-            theirs,
-            rtol=1e-5,
-            atol=1e-5 * np.abs(theirs).max(),
-            what=f"gradient {jax.tree_util.keystr(path)}",
-        )
+        assert_relative(grad, theirs, 1e-5, what=f"gradient {jax.tree_util.keystr(path)}")
 
 
 @pytest.mark.parametrize(
@@ -87,22 +77,15 @@ def test_fused_output_and_sequential_block_options_match_timm(block_fn):
     assert model.parallel_block == (block_fn is not Block) and not model.qkv_bias
     images = random_images(2, 16, seed=6)
     expected = timm_logits(reference, images)
-    assert_close(
-        jax_logits(model, variables, images),
-        expected,
-        rtol=1e-5,
-        atol=1e-5 * np.abs(expected).max(),
-        what=f"{block_fn} logits",
-    )
+    assert_relative(jax_logits(model, variables, images), expected, 1e-5, what=f"{block_fn} logits")
     if model.parallel_block:
         with pytest.raises(ValueError, match="parallel_block=True unsupported"):
             vit_to_timm(model, variables)
     else:  # the export builds timm's Block with the same options
-        assert_close(
+        assert_relative(
             timm_logits(vit_to_timm(model, variables), images),
             expected,
-            rtol=1e-6,
-            atol=1e-6 * np.abs(expected).max(),
+            1e-6,
             what="exported logits",
         )
 
