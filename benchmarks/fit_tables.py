@@ -118,7 +118,8 @@ def largest(config_path: str, target: str, model: int, ceiling: int, progress) -
             progress(model, batch, tried[batch])
         return tried[batch]
 
-    ones, twos = attempt(1), attempt(2) if attempt(1)["fits"] else {"fits": False}
+    ones = attempt(1)
+    twos = attempt(2) if ones["fits"] else {"fits": False}
     if not ones["fits"]:
         return {"largest": 0, "at_largest": None, "next": ones, "tried": sorted(tried)}
     batch = 2 if twos["fits"] else 1
