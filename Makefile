@@ -13,6 +13,7 @@ PIP    := $(PY) -m pip
 
 # The dev/CI environment's exact versions (pip constraints); pyproject.toml declares only ranges.
 LOCK := envs/lock-py311.txt
+TAMING := taming-transformers==0.0.1
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +37,7 @@ $(VENV)/.installed: $(PY) pyproject.toml $(LOCK)
 # The dev extra holds the runtime install too: one pip resolution and one compile for both.
 $(VENV)/.installed-dev: $(PY) pyproject.toml $(LOCK)
 	$(PIP) install --quiet --no-compile --no-build-isolation -c $(LOCK) -e ".[dev]"
-	$(PIP) install --quiet --no-compile --no-deps taming-transformers==0.0.1
+	$(PIP) install --quiet --no-compile --no-deps $(TAMING)
 	$(COMPILE)
 	touch $(VENV)/.installed $@
 
@@ -77,7 +78,8 @@ clean:
 # wheels for its Python 3.12 at the lock's versions, in .whl/ for benchmarks/gpu/run.sh to
 # install there. tensorflow-datasets and grain come in through attnjax.data, which the training
 # loop and tests/helpers.py import. promise (imported by tensorflow-datasets) is on PyPI as an
-# sdist only: its wheel is built here (pure Python).
+# sdist only: its wheel is built here (pure Python). taming-transformers is the PyTorch side of
+# the VQGAN and sampling rows (installed --no-deps, as in the dev environment).
 GPU_WHEELS := array_record grain immutabledict ml_collections portpicker tensorflow-datasets \
 	tensorflow-metadata toml promise
 GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
@@ -92,5 +94,6 @@ gpu-wheels:
 		--no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		$(foreach p,$(GPU_PLATFORMS),--platform $(p)) -d .whl
 	grep '^promise==' .whl/requirements.txt | xargs python3 -m pip wheel --quiet --no-deps -w .whl
+	python3 -m pip download --quiet --no-deps --only-binary=:all: -d .whl $(TAMING)
 	@ls .whl/*.whl
 	@du -ch .whl/*.whl | tail -1

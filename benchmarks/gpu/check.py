@@ -1,26 +1,30 @@
-"""The GPU check: one call on a lent GPU machine measures what no CPU run can, into one JSON.
+"""The GPU check: one call on a lent GPU machine measures attnjax beside PyTorch, into one JSON.
 
     bash benchmarks/gpu/run.sh [OUTDIR]                 # on the GPU machine (docs/accelerators.md)
     python benchmarks/gpu/check.py --dry-run --out DIR  # the same code, tiny, on this CPU
+    python benchmarks/gpu/table.py OUTDIR/gpu_check.json  # the side-by-side table
 
-Parts (``measure.py``), each with its own time limit (``BUDGETS``) inside one total:
+Parts, each with its own time limit (``BUDGETS``) inside one total, in this order:
 
-* ``vit``: ViT-B/16 (configs/vit_imagenet.py, bf16) trained on synthetic batches: images/s and
-  MFU as the training loop logs them, beside what ``python -m attnjax.compile`` predicts for
-  the same GPU.
-* ``vqgan``: the train step of configs/vqgan_imagenet_f16.py on synthetic images.
-* ``prior_sampling``: tokens/s of the prior's KV-cached sampler (a random GPT of
-  configs/prior_cifar10.py's size over the f16 VQGAN's codes).
-* ``attention``: ``dot_product_attention`` forced to cuDNN and to XLA's path against PyTorch's
-  ``scaled_dot_product_attention`` at 1k, 4k and 16k tokens, bf16, causal and not.
-* ``cuda_tests``: the suite's ``cuda``-marked tests, with the GPU's backend up (skipped in the
-  dry run).
+* attnjax (``measure.py``), one process: ``vit`` (ViT-B/16 of configs/vit_imagenet.py, bf16,
+  at 224 px), ``vqgan`` (the f16 VQGAN's train step in bf16: autoencoder, discriminator, LPIPS),
+  ``prior_sampling`` (the prior's KV-cached sampler), ``attention`` (cuDNN and XLA's path against
+  PyTorch's SDPA with its backends named, 1k to 16k tokens).
+* PyTorch (``measure_torch.py``), one process without JAX: ``torch_vit`` (timm, eager and
+  ``torch.compile``), ``torch_vqgan`` (taming's modules and loss), ``torch_sampling`` (taming's
+  GPT with a static KV cache, eager and as a CUDA graph).
+* attnjax again, a second process over the first one's persistent compilation cache:
+  ``first_steps`` (the ViT's and the VQGAN's first step from the cache, and a compile that reuses
+  XLA's autotuning results), ``vqgan_float32`` (the bf16 loss curve's reference),
+  ``vit_predicted`` (what ``python -m attnjax.compile`` predicts for the ViT row).
+* ``vit_xla_flags``: the ViT row in a process started with ``XLA_FLAG_TRIALS``.
+* ``cuda_tests``: the suite's ``cuda``-marked tests (skipped in the dry run).
 
-The measuring parts run in one worker process (one start-up for all); the parent stops the
-worker when a part overruns its limit, records that part as timed out and starts a worker for
-the rest. The JSON (``gpu_check.json`` in OUTDIR) is rewritten after every event, so a run cut
-short still leaves what it measured. Each part has ``status`` (``ok``, ``failed`` with
-``error``, ``timed out``, ``skipped``) and ``seconds``. Exit status 0 when no part failed.
+A worker process runs a group's parts (one start-up for them all); the parent stops it when a
+part overruns its limit, records that part as timed out and starts a worker for the rest. The
+JSON (``gpu_check.json`` in OUTDIR) is rewritten after every event, so a run cut short still
+leaves what it measured. Each part has ``status`` (``ok``, ``failed`` with ``error``, ``timed
+out``, ``skipped``) and ``seconds``. Exit status 0 when no part failed.
 """
 
 from __future__ import annotations
@@ -42,23 +46,35 @@ import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-WORKER_PARTS = ("vit", "vqgan", "prior_sampling", "attention")
+# (kind, parts): one worker process each, in order. "jax_flags" is a JAX worker started with
+# XLA_FLAG_TRIALS; "torch" imports no JAX.
+WORKERS = (
+    ("jax", ("vit", "vqgan", "prior_sampling", "attention")),
+    ("torch", ("torch_vit", "torch_vqgan", "torch_sampling")),
+    ("jax", ("first_steps", "vqgan_float32", "vit_predicted")),
+    ("jax_flags", ("vit_xla_flags",)),
+)
+WORKER_PARTS = tuple(part for _, parts in WORKERS for part in parts)
 PARTS = (*WORKER_PARTS, "cuda_tests")
-# Seconds each part may take: about twice what it took on an H200 machine
-# (benchmarks/results/gpu_check_h200.json: vit 77 s, vqgan 94 s, of which 42 s compile the train
-# step and 37 s the autoencoder's initialisation for the GPU, now computed on the host instead,
-# prior_sampling 40 s, attention 35 s, cuda_tests 66 s). The worker's start (imports, the GPU's
-# backend) has its own; TOTAL_SECONDS bounds them all, so that the call with the wheels' install
-# ends inside the device's 10 minutes.
-BUDGETS = {"startup": 60, "vit": 150, "vqgan": 190, "prior_sampling": 80, "attention": 75,
+# NVIDIA's GPU performance guide for JAX: GEMMs to cuBLAS rather than Triton, and the latency
+# hiding scheduler (it orders independent work on one GPU too).
+XLA_FLAG_TRIALS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true"
+# Seconds each part may take: about twice what it took (benchmarks/results/gpu_check_h200.json),
+# or what its compiles should take where it is new. A worker's start (imports, the GPU's backend)
+# has its own; TOTAL_SECONDS bounds them all, so that the call with the wheels' install ends
+# inside the device's 10 minutes: the parts last in the order above are the ones it cuts.
+BUDGETS = {"startup": 60, "vit": 100, "vqgan": 150, "prior_sampling": 60, "attention": 100,
+           "torch_vit": 170, "torch_vqgan": 80, "torch_sampling": 60, "first_steps": 100,
+           "vqgan_float32": 120, "vit_predicted": 60, "vit_xla_flags": 90,
            "cuda_tests": 130}  # fmt: skip
-TOTAL_SECONDS = 540
-DRY_RUN_TOTAL_SECONDS = 240
+TOTAL_SECONDS = 560
+DRY_RUN_TOTAL_SECONDS = 300
 CUDA_TESTS = ("tests/ops/test_kernel_choice_cuda.py", "tests/compile/test_compile.py")
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
             "jax-cuda12-pjrt", "flax", "optax", "orbax-checkpoint", "chex", "numpy",
             "ml-collections", "grain", "tensorflow-datasets", "array-record", "protobuf",
-            "etils", "torch", "pytest")  # fmt: skip
+            "etils", "torch", "torchvision", "timm", "taming-transformers", "triton",
+            "nvidia-cudnn-cu13", "nvidia-cublas", "nvidia-cuda-nvrtc", "pytest")  # fmt: skip
 
 
 def versions() -> dict:
@@ -104,8 +120,13 @@ class Record:
 # ---------------------------------------------------------------------------------------------
 
 
-def worker_environment(dry_run: bool) -> dict:
+def worker_environment(kind: str, dry_run: bool, cache: str) -> dict:
     env = dict(os.environ)
+    # Every JAX worker shares one persistent compilation cache, empty at the start: the first
+    # compiles cold, the second reads what the first wrote.
+    env["ATTNJAX_COMPILATION_CACHE"] = cache
+    if kind == "jax_flags":
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {XLA_FLAG_TRIALS}".strip()
     if dry_run:
         env["JAX_PLATFORMS"] = "cpu"
     else:
@@ -142,37 +163,40 @@ def _events(path: pathlib.Path, offset: int) -> tuple[list, int]:
     return [json.loads(line) for line in complete.splitlines()], offset + len(complete)
 
 
-def _start_worker(parts, events: pathlib.Path, dry_run: bool, log: pathlib.Path):
-    command = [sys.executable, str(HERE / "check.py"), "--worker", "--events", str(events),
-               "--parts", ",".join(parts), *(["--dry-run"] if dry_run else [])]  # fmt: skip
+def _start_worker(kind: str, parts, events: pathlib.Path, dry_run: bool, log, cache: str):
+    command = [sys.executable, str(HERE / "check.py"), "--worker", kind, "--events", str(events),
+               "--parts", ",".join(parts), "--spawned", repr(time.time()),
+               *(["--dry-run"] if dry_run else [])]  # fmt: skip
     with open(log, "ab") as output:
         return subprocess.Popen(
             command,
             cwd=ROOT,
-            env=worker_environment(dry_run),
+            env=worker_environment(kind, dry_run, cache),
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
 
-def run_worker_parts(parts, record: Record, dry_run: bool, log: pathlib.Path, deadline: float):
-    """Runs ``parts`` in a worker process; after a part overruns its limit or the worker dies
-    in one, in a new worker for the parts left."""
+def run_worker_parts(kind: str, parts, record: Record, dry_run: bool, log, deadline, cache):
+    """Runs ``parts`` in a worker process of ``kind``; after a part overruns its limit or the
+    worker dies in one, in a new worker for the parts left."""
     remaining = list(parts)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as events_dir:
         attempt = 0
         while remaining:
             events, attempt = pathlib.Path(events_dir) / f"events_{attempt}.jsonl", attempt + 1
-            if not _run_worker(remaining, events, record, dry_run, log, deadline):
+            worker = (kind, events, cache)
+            if not _run_worker(remaining, worker, record, dry_run, log, deadline):
                 return
 
 
-def _run_worker(remaining: list, events, record: Record, dry_run, log, deadline) -> bool:
+def _run_worker(remaining: list, worker, record: Record, dry_run, log, deadline) -> bool:
     """One worker for the ``remaining`` parts, removed from it as they end -> whether to start
     another for the parts left (after a part that timed out or died)."""
+    kind, events, cache = worker
     since = log.stat().st_size
-    process = _start_worker(remaining, events, dry_run, log)
+    process = _start_worker(kind, remaining, events, dry_run, log, cache)
     # The part running (None: the worker's start, or between two parts) and since when.
     watch = {"ready": False, "current": None, "started": time.monotonic(), "ended": 0}
     offset = 0
@@ -184,7 +208,14 @@ def _run_worker(remaining: list, events, record: Record, dry_run, log, deadline)
             kind, name = event["event"], event.get("part")
             if kind == "ready":
                 watch.update(ready=True, started=time.monotonic())
-                record.data["device"].update(event["device"])
+                if event["kind"] == "torch":
+                    record.data["device"]["torch"] = event["device"]
+                else:
+                    record.data["device"].update(event["device"])
+                record.data["worker_starts"].append(
+                    {"kind": event["kind"], "parts": list(remaining),
+                     "seconds": event["start_seconds"]}  # fmt: skip
+                )
                 record.write()
             elif kind == "start":
                 watch.update(current=name, started=time.monotonic())
@@ -249,20 +280,28 @@ def _fail_all(record: Record, parts, status: str, error: str) -> None:
 def _brief(part: dict) -> str:
     """The status and, for a reader of the console alone, the headline numbers."""
     text = part["status"] + (f": {part['error']}" if part.get("error") else "")
-    measured, predicted = part.get("measured") or {}, part.get("predicted") or {}
-    if measured.get("images_per_second"):
-        text += f"; {measured['images_per_second']:,.1f} images/s, MFU {measured['mfu']:.3f}"
-    if predicted.get("examples_per_second_at_40pct_mfu"):
-        text += f" (predicted at 40% MFU: {predicted['examples_per_second_at_40pct_mfu']:,.0f})"
+    if "examples_per_second_at_40pct_mfu" in part:
+        text += f"; predicted at 40% MFU: {part['examples_per_second_at_40pct_mfu']:,.0f}"
+    for name in ("measured", "eager", "compiled", "cuda_graph"):
+        row = part.get(name) or {}
+        if row.get("images_per_second"):
+            mfu = f", MFU {row['mfu']:.3f}" if row.get("mfu") else ""
+            text += f"; {name} {row['images_per_second']:,.1f} images/s{mfu}"
+            text += f", first step {row['first_step_seconds']:.1f} s"
+        if row.get("tokens_per_second"):
+            text += f"; {name} {row['tokens_per_second']:,.0f} tokens/s"
     if part.get("tokens_per_second"):
         text += f"; {part['tokens_per_second']:,.0f} tokens/s"
-    for row in part.get("rows", []):
+    for name in ("vit", "vqgan", "vqgan_new_program"):
+        if isinstance(part.get(name), dict) and "first_step" in part[name]:
+            text += f"; {name} first step {part[name]['first_step']['seconds']:.1f} s"
+    for row in part.get("rows", []) if isinstance(part.get("rows"), list) else []:
         times = ", ".join(
-            f"{name} {path['forward_backward_ms']:.2f}"
+            f"{name} {path['forward_ms']:.3f}/{path['forward_backward_ms']:.3f}"
             for name, path in row.get("paths", {}).items()
             if "forward_backward_ms" in path
         )
-        text += f"\n  {row['shape']} causal={row['causal']}: forward + backward ms: {times}"
+        text += f"\n  {row['shape']} causal={row['causal']}: forward/forward+backward ms: {times}"
     if part.get("counts"):
         text += f"; {part['counts']}"
     return text
@@ -340,14 +379,18 @@ def run(args) -> int:
             "device": device,
             "versions": found,
             "budgets_seconds": {**BUDGETS, "total": TOTAL_SECONDS},
+            "xla_flag_trials": XLA_FLAG_TRIALS,
+            "worker_starts": [],
             "parts": {name: {"status": "pending"} for name in parts},
         },
     )
     total = DRY_RUN_TOTAL_SECONDS if args.dry_run else TOTAL_SECONDS
     deadline = time.monotonic() + total
-    measuring = [p for p in parts if p in WORKER_PARTS]
-    if measuring:
-        run_worker_parts(measuring, record, args.dry_run, log, deadline)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_cache_") as cache:
+        for kind, group in WORKERS:
+            measuring = [p for p in group if p in parts]
+            if measuring:
+                run_worker_parts(kind, measuring, record, args.dry_run, log, deadline, cache)
     if "cuda_tests" in parts:
         if args.dry_run:
             record.update("cuda_tests", status="skipped", reason="dry run: needs a GPU")
@@ -372,11 +415,17 @@ def run(args) -> int:
 def work(args) -> int:
     sys.path.insert(0, str(ROOT))  # attnjax and configs of this checkout
     sys.path.append(str(ROOT / "benchmarks"))  # timing.py, behind every installed module
-    import measure  # imports jax: after the parent has set the environment
+    sys.path.append(str(HERE))
+    # After the parent has set the environment: measure imports JAX, measure_torch PyTorch.
+    if args.worker == "torch":
+        import measure_torch as measure
+    else:
+        import measure
 
-    from attnjax.train import collector
+        from attnjax.train import collector, compilation_cache
 
-    collector.raise_thresholds()
+        collector.raise_thresholds()
+        compilation_cache.enable()
 
     with open(args.events, "a") as events:
 
@@ -384,7 +433,10 @@ def work(args) -> int:
             events.write(json.dumps(event) + "\n")
             events.flush()
 
-        write(event="ready", device=measure.device_info(args.dry_run))
+        device = measure.device_info(args.dry_run)
+        # From the worker's spawn to here: the interpreter, the imports and the backend's start.
+        start_seconds = time.time() - args.spawned
+        write(event="ready", kind=args.worker, device=device, start_seconds=start_seconds)
         for name in args.parts.split(","):
             write(event="start", part=name)
             start = time.perf_counter()
@@ -405,8 +457,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="folder of gpu_check.json (default $OUT, else "
                         "benchmarks/results)")  # fmt: skip
     parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("jax", "jax_flags", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--events", help=argparse.SUPPRESS)
+    parser.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     return work(args) if args.worker else run(args)
 
