@@ -360,7 +360,9 @@ class CachedSampler:
     def logits(self, tokens, position):
         """``[rows]`` tokens at ``position`` (a 0-d tensor) -> ``[rows, vocab]`` logits."""
         model = self.model
-        x = model.tok_emb(tokens)[:, None] + model.pos_emb[0, position][None, None]
+        # index_select, not pos_emb[0, position]: indexing with a tensor reads it on the host,
+        # which a CUDA graph's capture forbids.
+        x = model.tok_emb(tokens)[:, None] + model.pos_emb[0].index_select(0, position[None])
         visible = (self.steps <= position)[None, None, None, :]
         for layer, block in enumerate(model.blocks):
             attn, h = block.attn, block.ln1(x)
