@@ -12,21 +12,20 @@ report (``attnjax.compile``), the prior's sampler and attention's forced impleme
 from __future__ import annotations
 
 import functools
-import importlib.util
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from measure_attention import attention_kernels
 from timing import median_seconds
 
 import configs
 from attnjax import tasks
 from attnjax.compile import programs, report, targets
-from attnjax.ops import attention
+from attnjax.models import lpips
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
-from attnjax.models import lpips
 from attnjax.train import accelerators, compilation_cache, loop, performance
 
 # ViT-B/16 at 224 px: the resolution of the published H100 rate docs/accelerators.md compares its
@@ -40,14 +39,16 @@ VIT = {
                     "model.width": 32, "model.depth": 1, "model.mlp_dim": 64,
                     "model.num_heads": 2}),
 }  # fmt: skip
-# The f16 VQGAN as configured: autoencoder, PatchGAN discriminator and LPIPS (random weights);
-# ``batches`` synthetic batches in turn, so that the loss curves of bf16 and float32 (same seeds,
-# same batches) say something. measure_torch.VQGAN is the same work in PyTorch.
+# The f16 VQGAN as configured: autoencoder, PatchGAN discriminator and LPIPS (random weights; the
+# dry run leaves LPIPS out: its VGG16 compile was most of the dry run's time, and tests/tasks
+# train with it), on ``batches`` synthetic batches in turn, so that the loss curves of bf16 and
+# float32 (same seeds, same batches) say something. measure_torch.VQGAN is the same work in
+# PyTorch.
 VQGAN = {
-    "gpu": dict(steps=30, warmup=2, batches=4, overrides={"batch_size": 16,
+    "gpu": dict(steps=30, warmup=2, batches=4, lpips=True, overrides={"batch_size": 16,
                 "eval_batch_size": 16}),
-    "dry-run": dict(steps=4, warmup=1, batches=2, overrides={"batch_size": 2, "eval_batch_size": 2,
-                    "data.image_size": 16, "model.ddconfig.resolution": 16,
+    "dry-run": dict(steps=4, warmup=1, batches=2, lpips=False, overrides={"batch_size": 2,
+                    "eval_batch_size": 2, "data.image_size": 16, "model.ddconfig.resolution": 16,
                     "model.ddconfig.ch": 32, "model.ddconfig.ch_mult": (1,),
                     "model.ddconfig.num_res_blocks": 0, "model.ddconfig.z_channels": 8,
                     "model.n_embed": 16, "model.embed_dim": 8, "discriminator.ndf": 8,
@@ -60,15 +61,6 @@ PRIOR = {
     "dry-run": dict(batch=2, calls=2, overrides={"model.n_layer": 1, "model.n_head": 2,
                     "model.n_embd": 32, "sampling.top_k": 8}),
 }  # fmt: skip
-# (name, batch, tokens, heads, head_dim): benchmarks/attention_kernels.py's long shapes.
-ATTENTION = {
-    "gpu": dict(repeats=5, loop=20, shapes=[("1k", 4, 1024, 8, 128), ("4k", 1, 4096, 8, 128),
-                                    ("16k", 1, 16384, 8, 128)]),
-    "dry-run": dict(repeats=2, loop=2, shapes=[("64", 2, 64, 2, 32), ("128", 1, 128, 2, 32)]),
-}  # fmt: skip
-# Two bf16 attention kernels differ by a few bf16 roundings of outputs of size ~1.
-AGREEMENT_ATOL = 3e-2
-PROBE_ROWS, PROBE_DIMS = 3, 8
 
 
 def _mode(dry_run: bool) -> str:
@@ -278,26 +270,38 @@ def vit_xla_flags(dry_run: bool, emit) -> dict:
     }
 
 
-def random_lpips_weights(path) -> str:
-    """LPIPS variables (VGG16 trunk and heads) initialised at random on the host's CPU, written
-    where ``config.lpips.weights`` reads them: the perceptual term's cost, with no weights to
-    download."""
-    model = lpips.LPIPS()
-    probe = np.zeros((1, 16, 16, 3), np.float32)
-    with jax.default_device(jax.devices("cpu")[0]):
-        variables = jax.jit(model.init)(jax.random.key(7), probe, probe)
-    return lpips.save_variables(jax.device_get(variables), path)
+@functools.lru_cache(maxsize=1)
+def random_lpips_weights() -> str:
+    """A file of LPIPS variables (VGG16 trunk and heads) drawn at random on the host, written once
+    a process where ``config.lpips.weights`` reads it: the perceptual term's cost, with no
+    weights to download. He-normal kernels keep the trunk's activations of order one; the heads
+    are non-negative, as LPIPS's are; biases zero."""
+    import tempfile
+
+    probe = jnp.zeros((1, 16, 16, 3))
+    abstract = jax.eval_shape(lpips.LPIPS().init, jax.random.key(0), probe, probe)
+    rng = np.random.default_rng(7)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name:
+            return np.zeros(leaf.shape, leaf.dtype)
+        fan_in = int(np.prod(leaf.shape[:-1]))
+        values = rng.standard_normal(leaf.shape) * np.sqrt(2.0 / fan_in)
+        return (np.abs(values) if "lin" in name else values).astype(leaf.dtype)
+
+    variables = jax.tree_util.tree_map_with_path(draw, abstract)
+    folder = tempfile.mkdtemp(prefix="gpu_check_lpips_")
+    return lpips.save_variables(variables, f"{folder}/lpips.npz")
 
 
 def vqgan_config(dry_run: bool, compute_dtype: str):
     """The f16 VQGAN's config at the mode's sizes with ``compute_dtype`` and random LPIPS
     weights (the recipe's perceptual term, at its weight 1)."""
-    import tempfile
-
     sizes = VQGAN[_mode(dry_run)]
     config = _config("vqgan_imagenet_f16", {**sizes["overrides"], "compute_dtype": compute_dtype})
-    folder = tempfile.mkdtemp(prefix="gpu_check_lpips_")
-    config.lpips.weights = random_lpips_weights(f"{folder}/lpips.npz")
+    if sizes["lpips"]:
+        config.lpips.weights = random_lpips_weights()
     return config
 
 
@@ -411,252 +415,6 @@ def prior_sampling(dry_run: bool, emit) -> dict:
         "codes_min": int(codes.min()),
         "codes_max": int(codes.max()),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention: cuDNN vs XLA vs PyTorch
-# ---------------------------------------------------------------------------------------------
-
-
-INPUTS = (
-    "q, k, v [batch, tokens, heads, head_dim] = np.random.default_rng(seed).standard_normal("
-    "(3, batch, tokens, heads, head_dim), dtype=np.float32), each rounded to bfloat16"
-)
-
-
-def attention_inputs(seed: int, shape) -> list:
-    """q, k, v as ``INPUTS`` says."""
-    draws = np.random.default_rng(seed).standard_normal((3, *shape), dtype=np.float32)
-    return [jnp.asarray(x, jnp.bfloat16) for x in draws]
-
-
-def _jax_paths(implementation: str, causal: bool):
-    def forward(q, k, v):
-        return attention.dot_product_attention(
-            q, k, v, is_causal=causal, implementation=implementation
-        )
-
-    def loss(q, k, v):
-        return jnp.sum(forward(q, k, v).astype(jnp.float32))
-
-    return forward, jax.grad(loss, (0, 1, 2))
-
-
-def _jax_chained(implementation: str, causal: bool):
-    """Forward and forward + backward as maps ``q -> q'`` of q's shape (every gradient feeds
-    ``q'``: none is dead code), for a loop of them inside one program."""
-    forward, grad = _jax_paths(implementation, causal)
-
-    def forward_backward(q, k, v):
-        dq, dk, dv = grad(q, k, v)
-        return q + 1e-3 * (dq + dk + dv)
-
-    return {"forward": forward, "forward_backward": forward_backward}
-
-
-def _in_one_program(step, loop: int):
-    """``loop`` calls of ``step`` chained in a ``fori_loop`` inside one jitted program: the
-    device's time per call without the host's dispatch."""
-
-    def run(q, k, v):
-        return jax.lax.fori_loop(0, loop, lambda _, x: step(x, k, v).astype(x.dtype), q)
-
-    return jax.jit(run)
-
-
-def _time_jax(implementation: str, causal: bool, args, sizes: dict) -> tuple:
-    forward = jax.jit(_jax_paths(implementation, causal)[0])
-    out = jax.block_until_ready(forward(*args))
-    call = median_seconds(lambda: jax.block_until_ready(forward(*args)), sizes["repeats"])
-    timing = {"forward_call_ms": call * 1e3}
-    for name, step in _jax_chained(implementation, causal).items():
-        looped = _in_one_program(step, sizes["loop"])
-        jax.block_until_ready(looped(*args))
-        seconds = median_seconds(lambda: jax.block_until_ready(looped(*args)), sizes["repeats"])
-        timing[f"{name}_ms"] = seconds / sizes["loop"] * 1e3
-    return out, timing
-
-
-def _torch_paths(torch, causal: bool):
-    """Forward (no autograd) and forward + backward of PyTorch's SDPA, neither synchronising."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def forward(q, k, v):
-        with torch.no_grad():
-            return sdpa(q, k, v, is_causal=causal)
-
-    def forward_backward(q, k, v):
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        sdpa(q, k, v, is_causal=causal).float().sum().backward()
-        return q.grad, k.grad, v.grad
-
-    return {"forward": forward, "forward_backward": forward_backward}
-
-
-def _time_torch(torch, causal: bool, args, sizes: dict, on_gpu: bool) -> tuple:
-    """PyTorch's per-call forward (synchronised after each), and its device time per call over
-    ``loop`` calls queued back to back between two CUDA events (the host's launches overlap the
-    device's work: PyTorch's own way of hiding its per-call cost)."""
-    sync = torch.cuda.synchronize if on_gpu else lambda: None
-    paths = _torch_paths(torch, causal)
-    out = paths["forward"](*args)
-    paths["forward_backward"](*args)
-    sync()
-
-    def call():
-        paths["forward"](*args)
-        sync()
-
-    timing = {"forward_call_ms": median_seconds(call, sizes["repeats"]) * 1e3}
-    for name, fn in paths.items():
-        times = []
-        for _ in range(sizes["repeats"]):
-            if on_gpu:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True
-                )
-                start.record()
-                for _ in range(sizes["loop"]):
-                    fn(*args)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / sizes["loop"])
-            else:
-                begin = time.perf_counter()
-                for _ in range(sizes["loop"]):
-                    fn(*args)
-                times.append((time.perf_counter() - begin) / sizes["loop"] * 1e3)
-        timing[f"{name}_ms"] = float(np.median(times))
-    return out, timing
-
-
-def torch_backend_name(torch, q, k, v, causal: bool) -> str:
-    """The SDPA backend PyTorch picks for these inputs (its own dispatch function)."""
-    from torch.nn.attention import SDPBackend
-
-    names = {int(value): name for name, value in SDPBackend.__members__.items()}
-    return names.get(int(torch._fused_sdp_choice(q, k, v, is_causal=causal)), "unknown")
-
-
-def _summary(out: np.ndarray) -> dict:
-    """What the JSON keeps of an output ``[batch, tokens, heads, dim]``: the mean of its
-    magnitudes and, of batch 0 and head 0, the first dims of its first, middle and last rows."""
-    rows = np.linspace(0, out.shape[1] - 1, PROBE_ROWS).astype(int)
-    return {
-        "abs_mean": float(np.mean(np.abs(out), dtype=np.float64)),
-        "probe": out[0, rows, 0, :PROBE_DIMS].astype(float).round(5).tolist(),
-    }
-
-
-# PyTorch's SDPA backends forced one at a time on a GPU (``torch.nn.attention.sdpa_kernel``),
-# beside its own choice ("torch").
-TORCH_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
-
-
-def _attention_row(torch, index: int, shape_row, causal: bool, sizes: dict, on_gpu: bool):
-    name, batch, tokens, heads, depth = shape_row
-    shape = (batch, tokens, heads, depth)
-    q, k, v = attention_inputs(index, shape)
-    xla_forward, xla_grad = _jax_paths("xla", causal)
-    flops = {
-        "forward": performance.traced_flops(xla_forward, q, k, v),
-        "forward_backward": performance.traced_flops(xla_grad, q, k, v),
-    }
-    row = {"shape": name, "batch": batch, "tokens": tokens, "heads": heads, "head_dim": depth,
-           "causal": causal, "seed": index,
-           "automatic": attention.platform_choices(q, k, v, None, causal, timed=False),
-           "flops": flops, "paths": {}}  # fmt: skip
-    outputs = {}
-    implementations = ("cudnn", "xla") if on_gpu else ("xla",)
-    for implementation in implementations:
-        out, timing = _time_jax(implementation, causal, (q, k, v), sizes)
-        outputs[implementation] = np.asarray(out, np.float32)
-        row["paths"][implementation] = timing
-    if not on_gpu:
-        row["paths"]["cudnn"] = {"status": "not on this platform"}
-    if torch is None:
-        row["paths"]["torch"] = {"status": "not installed"}
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        device = "cuda" if on_gpu else "cpu"
-        tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)) for x in (q, k, v))
-        # PyTorch's layout: [batch, heads, tokens, head_dim].
-        targs = tuple(
-            x.to(device, torch.bfloat16).transpose(1, 2).contiguous() for x in (tq, tk, tv)
-        )
-        chosen = torch_backend_name(torch, *targs, causal)
-        out, timing = _time_torch(torch, causal, targs, sizes, on_gpu)
-        outputs["torch"] = out.transpose(1, 2).float().cpu().numpy()
-        row["paths"]["torch"] = {**timing, "device": device, "backend": chosen}
-        for backend in TORCH_BACKENDS if on_gpu else ():
-            path = f"torch_{backend.split('_')[0].lower()}"
-            try:
-                with sdpa_kernel(getattr(SDPBackend, backend)):
-                    out, timing = _time_torch(torch, causal, targs, sizes, on_gpu)
-            except RuntimeError as error:  # this backend refuses these inputs
-                row["paths"][path] = {"status": "refused", "error": error_line(error)}
-                continue
-            outputs[path] = out.transpose(1, 2).float().cpu().numpy()
-            row["paths"][path] = {**timing, "device": device, "backend": backend}
-    for path, out in outputs.items():
-        difference = float(np.max(np.abs(out - outputs["xla"])))
-        timing = row["paths"][path]
-        for kind in ("forward", "forward_backward"):
-            timing[f"{kind}_tflops"] = flops[kind] / (timing[f"{kind}_ms"] / 1e3) / 1e12
-        timing.update(_summary(out), max_abs_diff_vs_xla=difference)
-    row["agree"] = all(
-        row["paths"][path]["max_abs_diff_vs_xla"] <= AGREEMENT_ATOL for path in outputs
-    )
-    return row
-
-
-def attention_kernels(dry_run: bool, emit) -> dict:
-    """Forward and forward + backward of ``dot_product_attention`` forced to cuDNN and to XLA's
-    path, and of ``torch.nn.functional.scaled_dot_product_attention`` (its own choice of backend,
-    named, and each GPU backend forced) on the same device, bf16, causal and not; their outputs
-    compared. Times per call on the device (``loop`` calls in one program, or queued back to
-    back), and the per-call forward with the host's dispatch and a synchronisation."""
-    # The GPU machines have PyTorch; a CPU without it (the newest-JAX environment) dry-runs
-    # the rest.
-    if dry_run and importlib.util.find_spec("torch") is None:
-        torch = None
-    else:
-        import torch
-
-    sizes = ATTENTION[_mode(dry_run)]
-    on_gpu = not dry_run
-    result = {
-        "inputs": INPUTS,
-        "flops": "products of the XLA path, as attnjax.train.performance counts them (every "
-        "score, causal or not)",
-        "timing": f"median of {sizes['repeats']}; *_ms: device time per call over "
-        f"{sizes['loop']} calls (JAX: a fori_loop in one program; PyTorch: queued back to back "
-        "between CUDA events); forward_call_ms: one call with dispatch and synchronisation",
-        "torch": None if torch is None else torch.__version__,
-        "agreement_atol": AGREEMENT_ATOL,
-        "rows": [],
-    }
-    for index, shape_row in enumerate(sizes["shapes"]):
-        for causal in (False, True):
-            try:
-                row = _attention_row(torch, index, shape_row, causal, sizes, on_gpu)
-            except Exception as error:  # one shape out of memory must not end the others
-                row = {"shape": shape_row[0], "causal": causal, "error": error_line(error)}
-            result["rows"].append(row)
-            emit(result)
-    failed = [f"{r['shape']} causal={r['causal']}" for r in result["rows"] if "error" in r]
-    if failed:
-        raise RuntimeError(f"attention failed at {', '.join(failed)}")
-    if not all(row["agree"] for row in result["rows"]):
-        raise AssertionError(f"attention paths differ by more than {AGREEMENT_ATOL}")
-    return result
-
-
-def error_line(error: BaseException) -> str:
-    """``Type: first line of the message``, at most 300 characters."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 PARTS = {

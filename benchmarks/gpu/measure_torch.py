@@ -11,9 +11,9 @@ per part: ``PARTS[name](dry_run, emit) -> dict``.
   them, under bf16 autocast with the quantizer in float32 (as attnjax keeps it). One autoencoder
   forward serves both steps, where Lightning's loop would run it twice: the faster PyTorch.
 * ``torch_sampling``: taming's ``mingpt.GPT`` of ``prior_cifar10.py``'s size sampled with a
-  static KV cache (one token's step attends to the cache, as gpt-fast does), classifier-free
-  guidance, top-k and temperature as attnjax's sampler; eager, and the step captured once in a
-  CUDA graph and replayed for every token.
+  static KV cache (``torch_sampler.py``: one token's step attends to the cache, as gpt-fast
+  does), classifier-free guidance, top-k and temperature as attnjax's sampler; eager, and the
+  step captured once in a CUDA graph and replayed for every token.
 
 ``dry_run`` runs the same code at tiny sizes on the CPU (``torch.compile`` with its ``eager``
 backend there: no C++ compiler is needed, the wrapping is still exercised).
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_sampler import CachedSampler, GraphSampler, prefixes, sample_eager, sampling_model
 
 # The sizes of measure.py's rows, so that each row's two sides do the same work.
 VIT = {
@@ -44,7 +45,7 @@ VQGAN = {
                               attn_resolutions=(16,), in_channels=3, out_ch=3, resolution=256,
                               z_channels=256, double_z=False, dropout=0.0),
                 n_embed=1024, embed_dim=256, ndf=64, disc_layers=3),
-    "dry-run": dict(batch=2, steps=2, warmup=1, perceptual_weight=1.0,
+    "dry-run": dict(batch=2, steps=2, warmup=1, perceptual_weight=0.0,
                     ddconfig=dict(ch=32, ch_mult=(1,), num_res_blocks=0, attn_resolutions=(),
                                   in_channels=3, out_ch=3, resolution=16, z_channels=8,
                                   double_z=False, dropout=0.0),
@@ -58,7 +59,7 @@ VQGAN_RECIPE = dict(disc_start=250001, disc_weight=0.8, codebook_weight=1.0, bet
 SAMPLING = {
     "gpu": dict(batch=32, calls=3, n_layer=12, n_head=8, n_embd=512, codes=1024, grid=16,
                 top_k=100),
-    "dry-run": dict(batch=2, calls=2, n_layer=1, n_head=2, n_embd=32, codes=16, grid=4, top_k=8),
+    "dry-run": dict(batch=2, calls=2, n_layer=1, n_head=2, n_embd=32, codes=16, grid=16, top_k=8),
 }  # fmt: skip
 SAMPLING_RECIPE = dict(num_classes=10, temperature=1.0, guidance=1.5)
 
@@ -189,8 +190,6 @@ def vit_training(sizes: dict, device: torch.device, compiled: bool, dry_run: boo
     result["compiled"] = (
         {"backend": "eager" if dry_run else "inductor", "mode": "default"} if compiled else None
     )
-    del model, optimizer, forward
-    _free(device)
     return result
 
 
@@ -204,6 +203,7 @@ def torch_vit(dry_run: bool, emit) -> dict:
         "device": device_info(dry_run),
     }
     result["eager"] = vit_training(sizes, device, compiled=False, dry_run=dry_run)
+    _free(device)  # the eager row's model and optimiser, gone with its function
     emit(result)
     result["compiled"] = vit_training(sizes, device, compiled=True, dry_run=dry_run)
     return result
@@ -307,8 +307,6 @@ def vqgan_training(sizes: dict, device: torch.device) -> dict:
         return ae_loss.detach()
 
     result = time_steps(step, sizes["steps"], sizes["warmup"], device, sizes["batch"])
-    del autoencoder, loss, opt_ae, opt_disc
-    _free(device)
     return result
 
 
@@ -332,123 +330,6 @@ def torch_vqgan(dry_run: bool, emit) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The prior's sampler: taming's GPT with a static KV cache
 # ---------------------------------------------------------------------------------------------
-
-
-class CachedSampler:
-    """Samples taming ``mingpt.GPT`` ``model`` one token a step over a static KV cache.
-
-    Rows: the conditional prefixes, then the unconditional ones (classifier-free guidance on
-    ``2 batch`` rows, ``u + w (c - u)``). A step embeds one token per row at ``position``, writes
-    its keys and values into the cache and attends to the cache's first ``position + 1``
-    entries (a mask over the whole cache: shapes never change, so the step can be captured
-    once as a CUDA graph)."""
-
-    def __init__(self, model, rows: int, length: int, top_k: int, temperature: float,
-                 guidance: float, num_codes: int):  # fmt: skip
-        self.model, self.rows, self.length = model, rows, length
-        self.top_k, self.temperature = top_k, temperature
-        self.guidance, self.num_codes = guidance, num_codes
-        parameter = next(model.parameters())
-        device, dtype = parameter.device, parameter.dtype
-        heads = model.blocks[0].attn.n_head
-        shape = (len(model.blocks), rows, heads, length, model.config.n_embd // heads)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.steps = torch.arange(length, device=device)
-
-    @torch.no_grad()
-    def logits(self, tokens, position):
-        """``[rows]`` tokens at ``position`` (a 0-d tensor) -> ``[rows, vocab]`` logits."""
-        model = self.model
-        # index_select, not pos_emb[0, position]: indexing with a tensor reads it on the host,
-        # which a CUDA graph's capture forbids.
-        x = model.tok_emb(tokens)[:, None] + model.pos_emb[0].index_select(0, position[None])
-        visible = (self.steps <= position)[None, None, None, :]
-        for layer, block in enumerate(model.blocks):
-            attn, h = block.attn, block.ln1(x)
-            rows, _, width = h.shape
-            split = lambda t: t.view(rows, 1, attn.n_head, width // attn.n_head).transpose(1, 2)
-            q, k, v = split(attn.query(h)), split(attn.key(h)), split(attn.value(h))
-            self.keys[layer].index_copy_(2, position[None], k)
-            self.values[layer].index_copy_(2, position[None], v)
-            y = F.scaled_dot_product_attention(
-                q, self.keys[layer], self.values[layer], attn_mask=visible
-            )
-            x = x + attn.proj(y.transpose(1, 2).reshape(rows, 1, width))
-            x = x + block.mlp(block.ln2(x))
-        return model.head(model.ln_f(x))[:, 0]
-
-    @torch.no_grad()
-    def pick(self, logits):
-        """Guided, temperature-scaled, top-k filtered codes ``[batch]`` (Gumbel-max: a sample
-        of the softmax without a host round trip), for both halves of the rows."""
-        conditional, unconditional = logits[:, : self.num_codes].float().chunk(2)
-        guided = unconditional + self.guidance * (conditional - unconditional)
-        guided = guided / self.temperature
-        threshold = torch.topk(guided, self.top_k, dim=-1).values[:, -1:]
-        guided = guided.masked_fill(guided < threshold, -math.inf)
-        noise = -torch.log(-torch.log(torch.rand_like(guided).clamp_(1e-20, 1.0)))
-        token = torch.argmax(guided + noise, dim=-1)
-        return torch.cat([token, token])
-
-    @torch.no_grad()
-    def step(self, tokens, position):
-        return self.pick(self.logits(tokens, position))
-
-
-def sample_eager(sampler: CachedSampler, prefix, tokens: int):
-    """``[rows]`` prefix tokens -> ``[batch, tokens]`` codes, one step a token."""
-    current, out = prefix, []
-    for position in range(tokens):
-        current = sampler.step(current, torch.tensor(position, device=prefix.device))
-        out.append(current)
-    return torch.stack(out, 1)[: prefix.shape[0] // 2]
-
-
-class GraphSampler:
-    """``CachedSampler.step`` captured once as a CUDA graph, replayed for every token: a step's
-    hundreds of kernels launch as one (gpt-fast's reduce-overhead, without a compiler)."""
-
-    def __init__(self, sampler: CachedSampler, prefix):
-        self.sampler = sampler
-        self.tokens = prefix.clone()
-        self.position = torch.zeros((), dtype=torch.long, device=prefix.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm the kernels and cuBLAS's workspaces outside the capture
-                sampler.step(self.tokens, self.position)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.next = sampler.step(self.tokens, self.position)
-
-    def sample(self, prefix, tokens: int):
-        self.tokens.copy_(prefix)
-        out = []
-        for position in range(tokens):
-            self.position.fill_(position)
-            self.graph.replay()
-            out.append(self.next.clone())
-            self.tokens.copy_(self.next)
-        return torch.stack(out, 1)[: prefix.shape[0] // 2]
-
-
-def sampling_model(sizes: dict):
-    from taming.modules.transformer.mingpt import GPT
-
-    vocab = sizes["codes"] + SAMPLING_RECIPE["num_classes"] + 1
-    tokens = sizes["grid"] ** 2
-    return GPT(vocab, tokens, n_layer=sizes["n_layer"], n_head=sizes["n_head"],
-               n_embd=sizes["n_embd"])  # fmt: skip
-
-
-def prefixes(sizes: dict, device) -> torch.Tensor:
-    """Class tokens ``codes + label`` for labels ``0, 1, ...``, then the null token."""
-    batch, codes = sizes["batch"], sizes["codes"]
-    labels = torch.arange(batch) % SAMPLING_RECIPE["num_classes"]
-    null = torch.full((batch,), codes + SAMPLING_RECIPE["num_classes"])
-    return torch.cat([codes + labels, null]).to(device)
 
 
 def _time_sampler(sample, prefix, tokens: int, calls: int, device) -> dict:
@@ -479,9 +360,10 @@ def torch_sampling(dry_run: bool, emit) -> dict:
     # PyTorch's default would be full float32.
     torch.set_float32_matmul_precision("high")
     torch.manual_seed(0)
-    model = sampling_model(sizes).to(device).eval()
+    classes = SAMPLING_RECIPE["num_classes"]
+    model = sampling_model(sizes, classes).to(device).eval()
     tokens = sizes["grid"] ** 2
-    prefix = prefixes(sizes, device)
+    prefix = prefixes(sizes, classes, device)
     sampler = CachedSampler(model, prefix.shape[0], tokens, sizes["top_k"],
                             SAMPLING_RECIPE["temperature"], SAMPLING_RECIPE["guidance"],
                             sizes["codes"])  # fmt: skip
@@ -508,11 +390,6 @@ def torch_sampling(dry_run: bool, emit) -> dict:
     else:
         result["cuda_graph"] = {"status": "not on this platform"}
     return result
-
-
-def error_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 PARTS = {
