@@ -302,7 +302,7 @@ def _brief(part: dict) -> str:
             text += f"; {name} {row['tokens_per_second']:,.0f} tokens/s"
     if part.get("tokens_per_second"):
         text += f"; {part['tokens_per_second']:,.0f} tokens/s"
-    for name in ("vit", "vqgan", "vqgan_new_program"):
+    for name in ("vit", "vqgan", "new_program"):
         if isinstance(part.get(name), dict) and "first_step" in part[name]:
             text += f"; {name} first step {part[name]['first_step']['seconds']:.1f} s"
     for row in part.get("rows", []) if isinstance(part.get("rows"), list) else []:

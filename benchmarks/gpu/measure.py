@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import measure_profile
 import numpy as np
 from measure_attention import attention_kernels
 from timing import median_seconds
@@ -32,12 +33,12 @@ from attnjax.train import accelerators, compilation_cache, loop, performance
 # prediction with, and one whose train step has no loop of unknown length, so the compile command
 # predicts it from the train step itself. The dry run keeps the config and shrinks the model.
 VIT = {
-    "gpu": dict(steps=30, warmup=3, overrides={"batch_size": 256, "eval_batch_size": 256,
-                "data.image_size": 224, "model.image_size": 224}),
-    "dry-run": dict(steps=3, warmup=1, overrides={"batch_size": 4, "eval_batch_size": 4,
-                    "data.image_size": 32, "model.image_size": 32, "model.patch_size": 8,
-                    "model.width": 32, "model.depth": 1, "model.mlp_dim": 64,
-                    "model.num_heads": 2}),
+    "gpu": dict(steps=30, warmup=3, profiled=3, overrides={"batch_size": 256,
+                "eval_batch_size": 256, "data.image_size": 224, "model.image_size": 224}),
+    "dry-run": dict(steps=3, warmup=1, profiled=2, overrides={"batch_size": 4,
+                    "eval_batch_size": 4, "data.image_size": 32, "model.image_size": 32,
+                    "model.patch_size": 8, "model.width": 32, "model.depth": 1,
+                    "model.mlp_dim": 64, "model.num_heads": 2}),
 }  # fmt: skip
 # The f16 VQGAN as configured: autoencoder, PatchGAN discriminator and LPIPS (random weights; the
 # dry run leaves LPIPS out: its VGG16 compile was most of the dry run's time, and tests/tasks
@@ -119,13 +120,11 @@ def _snapshot() -> tuple[dict, dict]:
     return compilation_cache.stage_seconds(), compilation_cache.counts()
 
 
-def time_training(config, steps: int, warmup: int, high: dict, batches: int = 1) -> dict:
-    """``steps`` train steps of ``config``'s task on one device after ``warmup`` (the first
-    compiles), cycling over ``batches`` synthetic batches, placed and jitted as the training loop
-    does; MFU as the loop logs it (``train/mfu``); every step's loss, read after the clock
-    stopped; the initialisation's and the first step's seconds split into JAX's tracing,
-    lowering and compiling (a persistent-cache hit counts as compiling) and the rest (running,
-    transfers)."""
+def first_step(config, high: dict, batches: int = 1) -> dict:
+    """``config``'s task set up on one device as the training loop does (placement, jitted step),
+    its initial state and its first step on ``batches`` synthetic batches -> what the rest of a
+    run needs and the two timings, each split into JAX's tracing, lowering and compiling (a
+    persistent-cache hit counts as compiling) and the rest (running, transfers)."""
     task = tasks.get_task(config.task)
     model = task.create_model(config)
     devices = jax.devices()[:1]
@@ -138,18 +137,32 @@ def time_training(config, steps: int, warmup: int, high: dict, batches: int = 1)
         task, config, model, host_batches[0], jax.random.PRNGKey(config.seed)
     )
     state = jax.block_until_ready(dp.place_state(state))
-    init_seconds = time.perf_counter() - start
-    init = {"seconds": init_seconds, **_stages_since(*before)}
+    init = {"seconds": time.perf_counter() - start, **_stages_since(*before)}
     train_step, _ = loop.compile_steps(config, task, model, dp, state)
     device_batches = [dp.shard_batch(batch) for batch in host_batches]
-    keys = list(jax.random.split(jax.random.PRNGKey(1), warmup + steps))
+    key = jax.random.PRNGKey(1)
     before = _snapshot()
     start = time.perf_counter()
-    state, metrics = train_step(state, device_batches[0], keys[0])
-    losses = [float(metrics["loss"])]
-    first_step_seconds = time.perf_counter() - start
-    first = {"seconds": first_step_seconds, **_stages_since(*before)}
-    first["running"] = first_step_seconds - sum(first[k] for k in compilation_cache.STAGES.values())
+    state, metrics = train_step(state, device_batches[0], key)
+    loss = float(metrics["loss"])
+    first = {"seconds": time.perf_counter() - start, **_stages_since(*before)}
+    first["running"] = first["seconds"] - sum(first[k] for k in compilation_cache.STAGES.values())
+    return dict(devices=devices, train_step=train_step, state=state, batches=device_batches,
+                key=key, loss=loss, init=init, first_step=first)  # fmt: skip
+
+
+def time_training(
+    config, steps: int, warmup: int, high: dict, batches: int = 1, profiled: int = 0
+) -> dict:
+    """``steps`` train steps of ``config``'s task on one device after ``warmup`` (the first
+    compiles: ``first_step``), cycling over ``batches`` synthetic batches; MFU as the loop logs
+    it (``train/mfu``); every step's loss, read after the clock stopped; then, with
+    ``profiled``, that many more steps under the profiler (``measure_profile``: the device's time
+    by kernel family)."""
+    started = first_step(config, high, batches)
+    devices, train_step, state = started["devices"], started["train_step"], started["state"]
+    device_batches, losses = started["batches"], [started["loss"]]
+    keys = [started["key"], *jax.random.split(jax.random.PRNGKey(3), warmup + steps - 1)]
     for index in range(1, warmup):
         state, metrics = train_step(state, device_batches[index % batches], keys[index])
         losses.append(metrics["loss"])
@@ -166,7 +179,12 @@ def time_training(config, steps: int, warmup: int, high: dict, batches: int = 1)
     if not all(np.isfinite(losses)):
         raise FloatingPointError(f"non-finite losses in {warmup + steps} steps: {losses}")
     scalars = utilization.scalars(steps / seconds)
+    profile = None
+    if profiled:
+        more = list(jax.random.split(jax.random.PRNGKey(2), profiled + 1))
+        profile = measure_profile.profile_steps(train_step, state, device_batches[0], more)
     return {
+        "profile": profile,
         "batch_size": int(config.batch_size),
         "batches": batches,
         "steps": steps,
@@ -178,10 +196,10 @@ def time_training(config, steps: int, warmup: int, high: dict, batches: int = 1)
         "peak_source": utilization.source,
         "mfu": scalars.get("train/mfu"),
         "tflops_per_device": scalars.get("train/tflops_per_device"),
-        "init_seconds": init_seconds,
-        "first_step_seconds": first_step_seconds,
-        "init": init,
-        "first_step": first,
+        "init_seconds": started["init"]["seconds"],
+        "first_step_seconds": started["first_step"]["seconds"],
+        "init": started["init"],
+        "first_step": started["first_step"],
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "losses": losses,
@@ -241,7 +259,9 @@ def vit(dry_run: bool, emit) -> dict:
     result = {"config": "configs/vit_imagenet.py", "overrides": sizes["overrides"],
               "model": model, "compute_dtype": config.compute_dtype}  # fmt: skip
     high = {"label": config.model.num_classes}
-    result["measured"] = time_training(config, sizes["steps"], sizes["warmup"], high)
+    result["measured"] = time_training(
+        config, sizes["steps"], sizes["warmup"], high, profiled=sizes["profiled"]
+    )
     return result
 
 
@@ -334,24 +354,27 @@ def vqgan_float32(dry_run: bool, emit) -> dict:
 def first_steps(dry_run: bool, emit) -> dict:
     """In a second process over the first's persistent compilation cache (check.py gives both
     the same directory): the ViT's and the bf16 VQGAN's initialisation and first step again, every
-    program now read from the cache; then the VQGAN's step at another learning rate, a program the
-    cache lacks whose convolutions and fusions XLA's autotuning cache has seen (a compile without
-    the autotuner's search)."""
+    program now read from the cache; then a step the cache lacks, whose fusions and convolutions
+    XLA's autotuning cache has seen (a compile without the autotuner's search): the VQGAN's at
+    another learning rate (the dry run: the ViT's, a shorter compile)."""
     result = {
         "cache": compilation_cache.current_directory(),
         "xla_caches": jax.config.jax_persistent_cache_enable_xla_caches,
     }
-    config = _vit_config(dry_run)
-    runs = [("vit", config, {"label": config.model.num_classes})]
-    config = vqgan_config(dry_run, "bfloat16")
-    runs.append(("vqgan", config, {}))
-    config = vqgan_config(dry_run, "bfloat16")
-    config.learning_rate *= 1.5
-    config.disc_learning_rate *= 1.5
-    runs.append(("vqgan_new_program", config, {}))
+    vit_config = _vit_config(dry_run)
+    high = {"label": vit_config.model.num_classes}
+    runs = [("vit", vit_config, high), ("vqgan", vqgan_config(dry_run, "bfloat16"), {})]
+    changed, changed_high = (vit_config, high) if dry_run else (runs[1][1], {})
+    changed = changed.copy_and_resolve_references()
+    changed.learning_rate *= 1.5
+    if "disc_learning_rate" in changed:
+        changed.disc_learning_rate *= 1.5
+    runs.append(("new_program", changed, changed_high))
     for name, config, high in runs:
-        measured = time_training(config, 1, 1, high)
-        result[name] = {key: measured[key] for key in ("init", "first_step")}
+        started = first_step(config, high)
+        result[name] = {key: started[key] for key in ("init", "first_step")}
+        if name == "new_program":
+            result[name]["task"] = config.task
         emit(result)
     return result
 

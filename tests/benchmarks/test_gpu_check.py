@@ -22,10 +22,6 @@ TABLE = ROOT / "benchmarks" / "gpu" / "table.py"
 RATE = dict(rel=1e-9)  # quantities the JSON derives from others it records
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 TORCH_PARTS = ("torch_vit", "torch_vqgan", "torch_sampling")
-ALL_PARTS = ",".join(
-    ("vit", "vqgan", "prior_sampling", "attention", *TORCH_PARTS, "first_steps", "vqgan_float32",
-     "vit_predicted", "vit_xla_flags", "cuda_tests")
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +32,7 @@ def result(tmp_path_factory):
     # cache is as empty, so this costs CI nothing.
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     run = subprocess.run(
-        [sys.executable, str(CHECK), "--dry-run", "--out", str(out), "--parts", ALL_PARTS],
+        [sys.executable, str(CHECK), "--dry-run", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -55,7 +51,7 @@ def test_every_part_ran_on_the_cpu(result):
     statuses = {name: part["status"] for name, part in result["parts"].items()}
     expected = dict.fromkeys(
         ("vit", "vqgan", "prior_sampling", "attention", *TORCH_PARTS, "first_steps",
-         "vqgan_float32", "vit_predicted", "vit_xla_flags"), "ok"
+         "vqgan_float32", "vit_predicted"), "ok"
     )  # fmt: skip
     if not HAS_TORCH:  # the newest-JAX environment: attnjax's side alone
         expected.update(dict.fromkeys(TORCH_PARTS, "skipped"))
@@ -64,9 +60,7 @@ def test_every_part_ran_on_the_cpu(result):
     }
     assert all(part["seconds"] > 0 for part in result["parts"].values() if "seconds" in part)
     kinds = [start["kind"] for start in result["worker_starts"]]
-    assert kinds == (
-        ["jax", "torch", "jax", "jax_flags"] if HAS_TORCH else ["jax", "jax", "jax_flags"]
-    )
+    assert kinds == (["jax", "torch", "jax"] if HAS_TORCH else ["jax", "jax"])
     assert all(0 < start["seconds"] < 120 for start in result["worker_starts"])
 
 
@@ -122,10 +116,21 @@ def test_vit_rate_and_mfu_follow_from_its_steps_and_the_hand_counted_flops(resul
         "python -m attnjax.compile --config configs/vit_imagenet.py --target cpu "
     )
     assert "--config.model.width=32" in predicted["command"]
-    flags = result["parts"]["vit_xla_flags"]
-    assert flags["xla_flags"].endswith(result["xla_flag_trials"])
-    check_training(flags["measured"])
-    assert flags["measured"]["flops_per_step"] == measured["flops_per_step"]
+
+
+def test_the_flags_worker_adds_the_trial_flags_to_the_users(monkeypatch):
+    """``vit_xla_flags`` (left out of the default parts) runs in a worker whose XLA_FLAGS are the
+    user's followed by the trial's; the other workers keep the user's."""
+    sys.path.insert(0, str(CHECK.parent))
+    import check
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    flags = check.worker_environment("jax_flags", dry_run=True, cache="/c")["XLA_FLAGS"]
+    assert flags == f"--xla_force_host_platform_device_count=2 {check.XLA_FLAG_TRIALS}"
+    plain = check.worker_environment("jax", dry_run=True, cache="/c")
+    assert plain["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert plain["ATTNJAX_COMPILATION_CACHE"] == "/c" and plain["JAX_PLATFORMS"] == "cpu"
+    assert "vit_xla_flags" in check.PARTS and "vit_xla_flags" not in check.DEFAULT_PARTS
 
 
 def test_vqgan_bf16_and_float32_train_on_the_same_batches(result):
@@ -148,8 +153,9 @@ def test_second_process_reads_the_first_steps_from_the_persistent_cache(result):
         cold = result["parts"][name]["measured"]["first_step"]
         assert first["compiling"] < cold["compiling"], name
     # Another learning rate: a new program, compiled.
-    new = part["vqgan_new_program"]["first_step"]
+    new = part["new_program"]["first_step"]
     assert (new["cache_hits"], new["cache_misses"]) == (0, 1)
+    assert part["new_program"]["task"] == "classification"
 
 
 def test_prior_sampling_rate_follows_from_the_tokens_of_a_call(result):
@@ -314,3 +320,50 @@ def test_pytest_outcomes_are_read_from_its_verbose_output():
         "tests/compile/test_compile.py::test_gpu_train_step": "skipped",
     }
     assert parsed["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+
+
+def test_profile_summary_sums_device_events_by_family_per_step():
+    """measure_profile.summarize on a trace written here: two steps of a device lane holding a
+    GEMM, a cuDNN convolution pass, a flash attention kernel and a copy, beside a host lane whose
+    events are not the device's."""
+    sys.path.insert(0, str(CHECK.parent))
+    import measure_profile
+
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 300.0),
+        ("sm90_xmma_dgrad_implicit_gemm_bf16", 100.0),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 50.0),
+        ("copy_transpose_fusion", 25.0),
+    ]
+    events = [
+        {"ph": "X", "pid": 1, "tid": 7, "name": name, "dur": dur, "ts": 0}
+        for name, dur in kernels * 2
+    ] + [{"ph": "X", "pid": 2, "tid": 1, "name": "PjitFunction", "dur": 9999.0, "ts": 0}]
+    summary = measure_profile.summarize({"traceEvents": meta + events}, steps=2, step_seconds=1e-3)
+    assert summary["lanes"] == ["/device:GPU:0"]
+    assert summary["by_family_ms"] == {
+        "matrix products": 0.3,
+        "convolutions": 0.1,
+        "attention": 0.05,
+        "copies and transposes": 0.025,
+    }
+    assert summary["events_ms_per_step"] == pytest.approx(0.475)
+    assert summary["busy_share"] == pytest.approx(0.475)
+    assert summary["top_ms"][0] == {
+        "name": "sm90_xmma_gemm_bf16bf16_bf16f32",
+        "ms": 0.3,
+        "family": "matrix products",
+    }
+
+
+def test_vit_step_was_profiled_on_the_hosts_lanes(result):
+    profile = result["parts"]["vit"]["measured"]["profile"]
+    assert profile["lanes"] == ["host (no device lane)"]
+    assert profile["events_ms_per_step"] > 0 and profile["step_ms"] > 0
+    assert sum(profile["by_family_ms"].values()) == pytest.approx(profile["events_ms_per_step"])
+    # The ViT's products are in the trace under XLA's names for them.
+    assert profile["by_family_ms"].get("matrix products", 0) > 0
