@@ -1,12 +1,13 @@
-"""The ``vit_profile`` part of benchmarks/gpu/check.py: where the ViT-B/16 train step's time goes
-on the device, from JAX's own profiler.
+"""Where the ViT-B/16 train step's time goes on the device (benchmarks/gpu/check.py's ``vit``
+and ``torch_vit`` parts), from each framework's own profiler, summed by the same kernel families.
 
-A few steps of the ``vit`` part's step run under ``jax.profiler.trace``; its Perfetto trace (a
-JSON of complete events per process and thread) is read back and the device's events summed
-by kernel family and by name, per step, beside the step's wall time: the share the device was
-busy, and what kept it busy. On a CPU (the dry run) there is no device lane: the host's XLA
-threads are summed instead, and their operations run on both cores at once (the share can pass
-1).
+attnjax: a few steps run under ``jax.profiler.trace``; its Perfetto trace (a JSON of complete
+events per process and thread) is read back and the device's events summed by kernel family and
+by name, per step, beside the step's wall time: the share the device was busy, and what kept it
+busy. PyTorch (``measure_torch``): ``torch.profiler``'s CUDA kernel events, summed the same way.
+On a CPU (the dry run) there is no device lane: the host's XLA threads, or PyTorch's operators'
+own times, are summed instead (XLA's run on both cores at once: the share can pass 1). This
+module imports no framework: the PyTorch worker reads its families too.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import pathlib
 import tempfile
 import time
 
-import jax
-
 # (family, lowercase substrings of a kernel's name): the first that matches names the family.
 # Convolutions before products: cuDNN's are implicit GEMMs named by their pass (fprop, dgrad,
 # wgrad).
 FAMILIES = (
     ("attention", ("fmha", "flash", "sdpa", "attention")),
     ("convolutions", ("convolution", "fprop", "dgrad", "wgrad", "conv2d", "implicit_gemm")),
-    ("matrix products", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "dot")),
+    (
+        "matrix products",
+        ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "dot", "::mm", "addmm", "bmm"),
+    ),
     ("copies and transposes", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice")),
     ("reductions", ("reduce", "reduction")),
     ("other fusions", ("fusion", "triton", "loop_", "input_")),
@@ -53,9 +55,28 @@ def read_trace(log_dir: str) -> dict:
         return json.load(f)
 
 
+def summary(microseconds: dict, steps: int, step_seconds: float, lanes: list) -> dict:
+    """``{kernel name: microseconds over steps}`` -> per step: milliseconds by family and of the
+    ``TOP`` longest names, their sum against the step's wall time."""
+    by_name = {name: us / 1e3 / steps for name, us in microseconds.items()}
+    by_family: dict[str, float] = {}
+    for name, ms in by_name.items():
+        by_family[family(name)] = by_family.get(family(name), 0.0) + ms
+    busy = sum(by_family.values())
+    step_ms = step_seconds * 1e3
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP]
+    return {
+        "lanes": lanes,
+        "step_ms": step_ms,
+        "events_ms_per_step": busy,
+        "busy_share": busy / step_ms if step_ms else None,
+        "by_family_ms": dict(sorted(by_family.items(), key=lambda item: -item[1])),
+        "top_ms": [{"name": name[:120], "ms": ms, "family": family(name)} for name, ms in top],
+    }
+
+
 def summarize(trace: dict, steps: int, step_seconds: float) -> dict:
-    """Per step: milliseconds of device events by family and by name (the ``TOP`` longest), their
-    sum against the step's wall time. Device lanes: the processes named like a device; none
+    """``summary`` of a Perfetto trace's device lanes (the processes named like a device); none
     (a CPU): every complete event off the Python thread."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {
@@ -69,8 +90,7 @@ def summarize(trace: dict, steps: int, step_seconds: float) -> dict:
         for e in events
         if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
-    by_family: dict[str, float] = {}
-    by_name: dict[str, float] = {}
+    microseconds: dict[str, float] = {}
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -79,27 +99,19 @@ def summarize(trace: dict, steps: int, step_seconds: float) -> dict:
                 continue
         elif "python" in threads.get((e.get("pid"), e.get("tid")), "").lower():
             continue
-        if any(wrapper in e.get("name", "") for wrapper in WRAPPERS):
+        name = e.get("name", "")
+        if any(wrapper in name for wrapper in WRAPPERS):
             continue
-        ms = e["dur"] / 1e3 / steps
-        label = family(e.get("name", ""))
-        by_family[label] = by_family.get(label, 0.0) + ms
-        by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + ms
-    busy = sum(by_family.values())
-    step_ms = step_seconds * 1e3
-    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP]
-    return {
-        "lanes": sorted(names[pid] for pid in device) or ["host (no device lane)"],
-        "step_ms": step_ms,
-        "events_ms_per_step": busy,
-        "busy_share": busy / step_ms if step_ms else None,
-        "by_family_ms": dict(sorted(by_family.items(), key=lambda item: -item[1])),
-        "top_ms": [{"name": name[:120], "ms": ms, "family": family(name)} for name, ms in top],
-    }
+        microseconds[name] = microseconds.get(name, 0.0) + e["dur"]
+    lanes = sorted(names[pid] for pid in device) or ["host (no device lane)"]
+    return summary(microseconds, steps, step_seconds, lanes)
 
 
 def profile_steps(train_step, state, batch, keys) -> dict:
-    """``len(keys)`` steps of a compiled ``train_step`` under the profiler -> the summary."""
+    """``len(keys) - 1`` steps of a compiled ``train_step`` under JAX's profiler (one more before,
+    outside it) -> the summary."""
+    import jax
+
     state, metrics = train_step(state, batch, keys[0])  # compiled and warm before the trace
     jax.block_until_ready((state, metrics))
     with tempfile.TemporaryDirectory(prefix="gpu_check_trace_") as log_dir:

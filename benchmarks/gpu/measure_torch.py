@@ -25,6 +25,7 @@ import math
 import time
 import types
 
+import measure_profile
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,9 @@ from torch_sampler import CachedSampler, GraphSampler, prefixes, sample_eager, s
 
 # The sizes of measure.py's rows, so that each row's two sides do the same work.
 VIT = {
-    "gpu": dict(batch=256, image=224, steps=30, warmup=3, timm="vit_base_patch16_224"),
-    "dry-run": dict(batch=4, image=32, steps=3, warmup=1,
+    "gpu": dict(batch=256, image=224, steps=30, warmup=3, profiled=3,
+                timm="vit_base_patch16_224"),
+    "dry-run": dict(batch=4, image=32, steps=3, warmup=1, profiled=2,
                     model=dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
                                mlp_ratio=2.0)),
 }  # fmt: skip
@@ -190,7 +192,34 @@ def vit_training(sizes: dict, device: torch.device, compiled: bool, dry_run: boo
     result["compiled"] = (
         {"backend": "eager" if dry_run else "inductor", "mode": "default"} if compiled else None
     )
+    result["profile"] = profile_steps(step, sizes["profiled"], device) if compiled else None
     return result
+
+
+def profile_steps(step, steps: int, device: torch.device) -> dict:
+    """``steps`` calls of ``step`` under ``torch.profiler`` -> ``measure_profile.summary`` of the
+    CUDA kernels' times (on a CPU: the operators' own times)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as recorded:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        seconds = _seconds_since(start, device)
+    microseconds: dict[str, float] = {}
+    for event in recorded.events():
+        if on_gpu:
+            if event.device_type != DeviceType.CUDA:
+                continue
+            spent = event.time_range.elapsed_us()
+        else:
+            spent = event.self_cpu_time_total
+        microseconds[event.name] = microseconds.get(event.name, 0.0) + spent
+    lanes = ["CUDA kernels" if on_gpu else "CPU operators (own time)"]
+    return measure_profile.summary(microseconds, steps, seconds / steps, lanes)
 
 
 def torch_vit(dry_run: bool, emit) -> dict:

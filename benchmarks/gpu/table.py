@@ -198,14 +198,19 @@ def markdown(data: dict) -> str:
     vit = _ok(data["parts"], "vit").get("measured")
     if vit and vit.get("mfu") is not None:
         lines += ["", f"{_vit_name(data)} MFU {vit['mfu']:.3f} ({vit['peak_source']})."]
-    profile = (vit or {}).get("profile")
-    if profile:
+    compiled = _ok(data["parts"], "torch_vit").get("compiled") or {}
+    for who, profile in (
+        ("attnjax", (vit or {}).get("profile")),
+        ("timm, torch.compile", compiled.get("profile")),
+    ):
+        if not profile:
+            continue
         families = ", ".join(f"{k} {v:.2f}" for k, v in profile["by_family_ms"].items())
         lines += [
             "",
-            f"{_vit_name(data)} step under the profiler: {profile['step_ms']:.2f} ms, events "
-            f"{profile['events_ms_per_step']:.2f} ms ({profile['busy_share']:.2f} of it) on "
-            f"{', '.join(profile['lanes'])}; by family (ms): {families}.",
+            f"{_vit_name(data)} step under the profiler, {who}: {profile['step_ms']:.2f} ms, "
+            f"events {profile['events_ms_per_step']:.2f} ms ({profile['busy_share']:.2f} of it) "
+            f"on {', '.join(profile['lanes'])}; by family (ms): {families}.",
         ]
     return "\n".join(lines) + "\n"
 
