@@ -27,7 +27,7 @@ from attnjax.compile import programs, report, targets
 from attnjax.models import lpips
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
-from attnjax.train import accelerators, compilation_cache, loop, performance
+from attnjax.train import accelerators, compilation_cache, executables, loop, performance
 
 # ViT-B/16 at 224 px: the resolution of the published H100 rate docs/accelerators.md compares its
 # prediction with, and one whose train step has no loop of unknown length, so the compile command
@@ -106,25 +106,37 @@ def _synthetic_batch(abstract: dict, high: dict, seed: int = 0) -> dict:
     return batch
 
 
-def _stages_since(before: dict, counts: dict) -> dict:
-    """Seconds of tracing, lowering and compiling since ``before``, and the programs the
-    persistent cache answered (hits) or had to compile (misses) since ``counts``."""
-    now, hits = compilation_cache.stage_seconds(), compilation_cache.counts()
+def _stages_since(before: dict, counts: dict, kept: dict) -> dict:
+    """Seconds of tracing, lowering and compiling since ``before``; the programs the persistent
+    cache answered (hits) or had to compile (misses) since ``counts``; the compiled programs
+    loaded whole from the kept executables (no tracing: ``attnjax.train.executables``) and
+    written there since ``kept``."""
+    now, hits, kept_now = (
+        compilation_cache.stage_seconds(),
+        compilation_cache.counts(),
+        executables.counts(),
+    )
     result = {stage: now[stage] - before[stage] for stage in now}
-    result.update(cache_hits=hits["hits"] - counts["hits"],
-                  cache_misses=hits["misses"] - counts["misses"])  # fmt: skip
+    result.update(
+        cache_hits=hits["hits"] - counts["hits"],
+        cache_misses=hits["misses"] - counts["misses"],
+        kept_loaded=kept_now["loaded"] - kept["loaded"],
+        kept_written=kept_now["written"] - kept["written"],
+        loading=kept_now["load_seconds"] - kept["load_seconds"],
+    )
     return result
 
 
-def _snapshot() -> tuple[dict, dict]:
-    return compilation_cache.stage_seconds(), compilation_cache.counts()
+def _snapshot() -> tuple[dict, dict, dict]:
+    return compilation_cache.stage_seconds(), compilation_cache.counts(), executables.counts()
 
 
 def first_step(config, high: dict, batches: int = 1) -> dict:
-    """``config``'s task set up on one device as the training loop does (placement, jitted step),
-    its initial state and its first step on ``batches`` synthetic batches -> what the rest of a
-    run needs and the two timings, each split into JAX's tracing, lowering and compiling (a
-    persistent-cache hit counts as compiling) and the rest (running, transfers)."""
+    """``config``'s task set up on one device as the training loop does (placement, jitted step
+    kept across processes), its initial state and its first step on ``batches`` synthetic
+    batches -> what the rest of a run needs and the two timings, each split into JAX's tracing,
+    lowering and compiling (a persistent-cache hit counts as compiling), loading kept programs,
+    and the rest (running, transfers)."""
     task = tasks.get_task(config.task)
     model = task.create_model(config)
     devices = jax.devices()[:1]
@@ -138,7 +150,10 @@ def first_step(config, high: dict, batches: int = 1) -> dict:
     )
     state = jax.block_until_ready(dp.place_state(state))
     init = {"seconds": time.perf_counter() - start, **_stages_since(*before)}
-    train_step, _ = loop.compile_steps(config, task, model, dp, state)
+    train_step, eval_step = loop.compile_steps(config, task, model, dp, state)
+    # As the training loop does: a repeated run loads the steps as compiled, without tracing.
+    identity = executables.identity_of(config, task)
+    train_step, _ = executables.cached_steps(identity, train_step, eval_step)
     device_batches = [dp.shard_batch(batch) for batch in host_batches]
     key = jax.random.PRNGKey(1)
     before = _snapshot()
@@ -146,7 +161,8 @@ def first_step(config, high: dict, batches: int = 1) -> dict:
     state, metrics = train_step(state, device_batches[0], key)
     loss = float(metrics["loss"])
     first = {"seconds": time.perf_counter() - start, **_stages_since(*before)}
-    first["running"] = first["seconds"] - sum(first[k] for k in compilation_cache.STAGES.values())
+    stages = [*compilation_cache.STAGES.values(), "loading"]
+    first["running"] = first["seconds"] - sum(first[k] for k in stages)
     return dict(devices=devices, train_step=train_step, state=state, batches=device_batches,
                 key=key, loss=loss, init=init, first_step=first)  # fmt: skip
 
