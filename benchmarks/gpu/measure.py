@@ -198,7 +198,10 @@ def time_training(
     profile = None
     if profiled:
         more = list(jax.random.split(jax.random.PRNGKey(2), profiled + 1))
-        profile = measure_profile.profile_steps(train_step, state, device_batches[0], more)
+        try:  # a profiler that fails must not cost the row its measurement
+            profile = measure_profile.profile_steps(train_step, state, device_batches[0], more)
+        except Exception as error:
+            profile = {"error": f"{type(error).__name__}: {error}"[:300]}
     return {
         "profile": profile,
         "batch_size": int(config.batch_size),

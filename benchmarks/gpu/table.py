@@ -203,7 +203,7 @@ def markdown(data: dict) -> str:
         ("attnjax", (vit or {}).get("profile")),
         ("timm, torch.compile", compiled.get("profile")),
     ):
-        if not profile:
+        if not profile or "error" in profile:
             continue
         families = ", ".join(f"{k} {v:.2f}" for k, v in profile["by_family_ms"].items())
         lines += [
