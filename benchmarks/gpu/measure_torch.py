@@ -248,28 +248,19 @@ def torch_vit(dry_run: bool, emit) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _vgg16_trunk():
-    """torchvision's VGG16 ``features`` layer for layer (the indices taming's LPIPS slices), with
-    random weights: the pretrained ones cannot be downloaded."""
-    layers, channels = [], 3
-    for width in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
-                  512, 512, 512, "M"):  # fmt: skip
-        if width == "M":
-            layers.append(nn.MaxPool2d(2, 2))
-        else:
-            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(inplace=True)]
-            channels = width
-    return types.SimpleNamespace(features=nn.Sequential(*layers))
-
-
 def taming_loss(sizes: dict):
     """taming's ``VQLPIPSWithDiscriminator`` with the recipe's settings; its two downloads (VGG16,
     the LPIPS heads) replaced by random weights."""
+    _importable_torchvision()  # taming's LPIPS imports it
     import taming.modules.losses.lpips as taming_lpips
+    import torchvision
     from taming.modules.losses.vqperceptual import VQLPIPSWithDiscriminator
 
     models, load = taming_lpips.models, taming_lpips.LPIPS.load_from_pretrained
-    taming_lpips.models = types.SimpleNamespace(vgg16=lambda pretrained: _vgg16_trunk())
+    # taming calls torchvision.models.vgg16(pretrained=True) through this name.
+    taming_lpips.models = types.SimpleNamespace(
+        vgg16=lambda pretrained: torchvision.models.vgg16(weights=None)
+    )
     taming_lpips.LPIPS.load_from_pretrained = lambda self, name="vgg_lpips": None
     try:
         return VQLPIPSWithDiscriminator(
@@ -340,8 +331,7 @@ def vqgan_training(sizes: dict, device: torch.device) -> dict:
         global_step[0] += 1
         return ae_loss.detach()
 
-    result = time_steps(step, sizes["steps"], sizes["warmup"], device, sizes["batch"])
-    return result
+    return time_steps(step, sizes["steps"], sizes["warmup"], device, sizes["batch"])
 
 
 def torch_vqgan(dry_run: bool, emit) -> dict:
