@@ -212,8 +212,8 @@ def _run_worker(remaining: list, worker, record: Record, dry_run, log, deadline)
         nonlocal offset
         new, offset = _events(events, offset)
         for event in new:
-            kind, name = event["event"], event.get("part")
-            if kind == "ready":
+            what, name = event["event"], event.get("part")
+            if what == "ready":
                 watch.update(ready=True, started=time.monotonic())
                 if event["kind"] == "torch":
                     record.data["device"]["torch"] = event["device"]
@@ -227,12 +227,12 @@ def _run_worker(remaining: list, worker, record: Record, dry_run, log, deadline)
                     }  # fmt: skip
                 )
                 record.write()
-            elif kind == "start":
+            elif what == "start":
                 watch.update(current=name, started=time.monotonic())
                 record.update(name, status="running")
             else:  # "update" or "end"
                 record.update(name, **event["result"])
-            if kind == "end":
+            if what == "end":
                 print(f"{name}: {_brief(record.part(name))}", flush=True)
                 remaining.remove(name)
                 watch.update(current=None, started=time.monotonic(), ended=watch["ended"] + 1)
