@@ -23,6 +23,10 @@ RATE = dict(rel=1e-9)  # quantities the JSON derives from others it records
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 TORCH_PARTS = ("torch_vit", "torch_vqgan", "torch_sampling")
 
+sys.path.insert(0, str(CHECK.parent))
+import check  # noqa: E402
+import measure_profile  # noqa: E402  (imports no framework)
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
@@ -124,8 +128,6 @@ def test_vit_rate_and_mfu_follow_from_its_steps_and_the_hand_counted_flops(resul
 def test_the_flags_worker_adds_the_trial_flags_to_the_users(monkeypatch):
     """``vit_xla_flags`` (left out of the default parts) runs in a worker whose XLA_FLAGS are the
     user's followed by the trial's; the other workers keep the user's."""
-    sys.path.insert(0, str(CHECK.parent))
-    import check
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     flags = check.worker_environment("jax_flags", dry_run=True, cache="/c")["XLA_FLAGS"]
@@ -307,8 +309,6 @@ def test_table_refuses_a_file_that_is_no_check_result(tmp_path):
 
 
 def test_pytest_outcomes_are_read_from_its_verbose_output():
-    sys.path.insert(0, str(CHECK.parent))
-    import check
 
     text = "\n".join(
         [
@@ -331,9 +331,6 @@ def test_profile_summary_sums_device_events_by_family_per_step():
     """measure_profile.summarize on a trace written here: two steps of a device lane holding a
     GEMM, a cuDNN convolution pass, a flash attention kernel and a copy, beside a host lane whose
     events are not the device's."""
-    sys.path.insert(0, str(CHECK.parent))
-    import measure_profile
-
     meta = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
