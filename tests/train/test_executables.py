@@ -215,3 +215,70 @@ def test_a_program_read_back_from_jaxs_cache_is_not_kept(cache_dir, tmp_path):
     assert "'hits': 0" not in counts  # read back from JAX's cache
     assert again == value and "'written': 0" in counts  # not kept: it could not be loaded back
     assert not cache_dir.exists() or not list(cache_dir.iterdir())
+
+
+def counted_init():
+    """A jitted ``init(rng, x)`` (random weights shaped by ``x``) and the list of its tracings."""
+    traced = []
+
+    def init(rng, x):
+        traced.append(x.shape)
+        k1, k2 = jax.random.split(rng)
+        return {"w": jax.random.normal(k1, (x.shape[-1], 3)), "b": jax.random.uniform(k2, (3,))}
+
+    return jax.jit(init), traced
+
+
+def test_kept_outputs_are_read_back_for_equal_arguments_and_not_for_others(cache_dir):
+    rng, x = np.asarray(jax.random.PRNGKey(3)), np.ones((2, 5), np.float32)
+    expected = jax.device_get(counted_init()[0](rng, x))
+    before = executables.counts()["results_read"]
+    jitted, traced = counted_init()
+    first = executables.ExecutableCache({"config": {}}).memoized("init", jitted)(rng, x)
+    assert traced == [(2, 5)]
+    assert sorted(p.suffix for p in cache_dir.iterdir()) == [
+        executables.SUFFIX,
+        executables.RESULTS_SUFFIX,
+    ]
+    jitted, traced = counted_init()
+    second = executables.ExecutableCache({"config": {}}).memoized("init", jitted)(rng, x)
+    assert traced == [] and executables.counts()["results_read"] == before + 1
+    for got in (first, second):
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), expected)
+    # Where the program leaves its outputs: the default device, uncommitted.
+    assert all(not leaf.committed for leaf in jax.tree.leaves(second))
+    # Other values of an argument (a batch of other pixels, another seed): the program runs.
+    for other_rng, other_x in ((rng, x * 2), (np.asarray(jax.random.PRNGKey(4)), x)):
+        jitted, traced = counted_init()
+        got = executables.ExecutableCache({"config": {}}).memoized("init", jitted)(
+            other_rng, other_x
+        )
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jitted(other_rng, other_x))
+    assert executables.counts()["results_read"] == before + 1
+
+
+def test_damaged_kept_outputs_run_the_program_and_are_replaced(cache_dir):
+    rng, x = np.asarray(jax.random.PRNGKey(3)), np.ones((2, 5), np.float32)
+    jitted, _ = counted_init()
+    expected = jax.device_get(executables.ExecutableCache({}).memoized("init", jitted)(rng, x))
+    (kept,) = cache_dir.glob(f"*{executables.RESULTS_SUFFIX}")
+    kept.write_bytes(kept.read_bytes()[:50])
+    before = executables.counts()["results_read"]
+    jitted, _ = counted_init()
+    got = executables.ExecutableCache({}).memoized("init", jitted)(rng, x)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), expected)
+    assert executables.counts()["results_read"] == before  # run, not read
+    jitted, traced = counted_init()
+    executables.ExecutableCache({}).memoized("init", jitted)(rng, x)
+    assert executables.counts()["results_read"] == before + 1 and traced == []
+
+
+def test_arguments_placed_by_the_caller_or_traced_run_the_program(cache_dir):
+    rng, x = jax.random.PRNGKey(3), jnp.ones((2, 5))
+    jitted, _ = counted_init()
+    memoized = executables.ExecutableCache({}).memoized("init", jitted)
+    placed = jax.device_put(rng, jax.devices()[0])  # committed: the outputs would be too
+    got = memoized(placed, x)
+    assert all(leaf.committed for leaf in jax.tree.leaves(got))
+    jax.eval_shape(memoized, rng, x)
+    assert list(cache_dir.glob(f"*{executables.RESULTS_SUFFIX}")) == []
