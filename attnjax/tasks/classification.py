@@ -198,15 +198,15 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         num_heads=model.num_heads,
         mlp_dim=model.mlp_dim or int(model.width * model.mlp_ratio),
     )
-    images = jnp.asarray(example_batch["image"][:1])
+    images = example_batch["image"][:1]
     init = lambda r, x: model.init(r, x, train=False)["params"]
-    params = executables.jit(config, "init", init)(rng, images)
+    params = executables.jit(config, "init", init, keep_outputs=True)(rng, images)
     params = load_pretrained(config, model, params)
     tx = make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
     # One compiled init instead of dozens of eagerly dispatched (and compiled) small ops.
     return TrainState(
-        step=jnp.zeros((), jnp.int32),
+        step=np.zeros((), np.int32),  # a host value: no program compiled for it
         params=params,
         opt_state=executables.jit(config, "optimizer_init", tx.init)(params),
         ema_params=ema,

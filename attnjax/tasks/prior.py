@@ -165,12 +165,15 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     sharding.check_model_axis(  # minGPT's MLP is 4 x n_embd wide
         config, n_head=model.n_head, mlp_dim=4 * model.n_embd, vocab_size=model.padded_vocab_size
     )
-    codes = jnp.asarray(example_batch["codes"][:1])
-    params = executables.jit(config, "init", lambda r, x: model.init(r, x)["params"])(rng, codes)
+    codes = example_batch["codes"][:1]
+    init = executables.jit(
+        config, "init", lambda r, x: model.init(r, x)["params"], keep_outputs=True
+    )
+    params = init(rng, codes)
     tx = optim.make_optimizer(config)
     ema = params if config.get("ema_decay", 0.0) else None
     return TrainState(
-        step=jnp.zeros((), jnp.int32),
+        step=np.zeros((), np.int32),  # a host value: no program compiled for it
         params=params,
         opt_state=executables.jit(config, "optimizer_init", tx.init)(params),
         ema_params=ema,

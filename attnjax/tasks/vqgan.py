@@ -172,20 +172,28 @@ def _optimizers(config):
     return autoencoder, disc
 
 
+def _keyed(init, index: int):
+    """``init`` given the ``index``-th key of ``jax.random.split(rng)``, as the autoencoder (0)
+    and the discriminator (1) always took theirs."""
+    return lambda rng, images: init(jax.random.split(rng)[index], images)
+
+
 def create_train_state(rng, config, model, example_batch) -> TrainState:
     image_metrics.check_config(config)  # before training, not after it
-    images = jnp.asarray(example_batch["image"])
-    ae_rng, disc_rng = jax.random.split(rng)
-    init = executables.jit(config, "init", model["autoencoder"].init)
-    variables = init(ae_rng, images[:1])
+    # Host arrays go to the kept programs as they are, and the key is split inside them: no
+    # small program compiled for a slice, a split or a copy at every start.
+    images = example_batch["image"]
+    init = executables.jit(config, "init", _keyed(model["autoencoder"].init, 0), keep_outputs=True)
+    variables = init(rng, images[:1])
     params = {"autoencoder": variables["params"], "discriminator": None}
     tx, disc_tx = _optimizers(config)
     disc_opt_state = batch_stats = lpips_params = None
     if model["discriminator"] is not None:
         # A whole batch: ActNorm initialises itself from its statistics, as taming's does.
-        disc_vars = executables.jit(config, "discriminator_init", model["discriminator"].init)(
-            disc_rng, images
+        disc_init = executables.jit(
+            config, "discriminator_init", _keyed(model["discriminator"].init, 1), keep_outputs=True
         )
+        disc_vars = disc_init(rng, images)
         params["discriminator"] = disc_vars["params"]
         batch_stats = disc_vars.get("batch_stats", {})
         disc_opt_state = executables.jit(config, "discriminator_optimizer_init", disc_tx.init)(
@@ -195,7 +203,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         lpips_params = lpips.load_variables(config.lpips.weights)
         logging.info("LPIPS weights from %s", config.lpips.weights)
     return TrainState(
-        step=jnp.zeros((), jnp.int32),
+        step=np.zeros((), np.int32),  # a host value: no program compiled for it
         params=params,
         quantizer_state=variables.get("vq_state", {}),
         opt_state=executables.jit(config, "optimizer_init", tx.init)(params["autoencoder"]),

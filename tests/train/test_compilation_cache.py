@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIRST_STEP = re.compile(
     r"first step done ([\d.]+) s after the process started \(tracing ([\d.]+) s, lowering "
     r"([\d.]+) s, compiling ([\d.]+) s\): (\d+) compiled programs loaded in [\d.]+ s, (\d+) "
-    r"kept; (\d+) programs from the compilation cache at (\S+) \((-?[\d.]+) s of compiling "
-    r"saved\), (\d+) compiled and written to it"
+    r"kept, (\d+) outputs read; (\d+) programs from the compilation cache at (\S+) "
+    r"\((-?[\d.]+) s of compiling saved\), (\d+) compiled and written to it"
 )
 
 
@@ -50,7 +50,9 @@ def _train(workdir, digits_dir, cache):
         timeout=300,
     )
     (match,) = FIRST_STEP.findall(run.stdout + run.stderr)
-    seconds, tracing, lowering, compiling, loaded, kept, hits, directory, saved, written = match
+    seconds, tracing, lowering, compiling, loaded, kept, read, hits, directory, saved, written = (
+        match
+    )
     assert directory == str(cache)
     # The stages are parts of the time to the first step.
     stages = [float(tracing), float(lowering), float(compiling)]
@@ -60,7 +62,7 @@ def _train(workdir, digits_dir, cache):
     losses = [r["train/loss"] for r in records]
     return dict(
         stages=stages,
-        loaded=int(loaded), kept=int(kept), hits=int(hits), saved=float(saved),
+        loaded=int(loaded), kept=int(kept), read=int(read), hits=int(hits), saved=float(saved),
         written=int(written), losses=losses,
     )  # fmt: skip
 
@@ -68,16 +70,19 @@ def _train(workdir, digits_dir, cache):
 def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     cache = tmp_path / "cache"
     first = _train(tmp_path / "first", digits_dir, cache)
-    # At least the init and the train step compiled; they and the optimiser's init also kept whole.
+    # At least the init and the train step compiled; kept whole: the run's keys, the init, the
+    # optimiser's init, the step keys and the train step (the eval step comes after the first).
     assert first["hits"] == 0 and first["saved"] == 0.0 and first["written"] >= 2
-    assert first["loaded"] == 0 and first["kept"] == 3 and min(first["stages"]) > 0
+    assert first["loaded"] == 0 and first["kept"] == 5 and first["read"] == 0
+    assert min(first["stages"]) > 0
     entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
     assert len(entries - {executables.SUBDIRECTORY}) >= 2  # each program written once
 
     second = _train(tmp_path / "second", digits_dir, cache)
     assert second["written"] == 0, "the second run compiled a program the first had written"
-    # The inits and the train step loaded as compiled, without tracing.
-    assert second["loaded"] == 3 and second["kept"] == 0
+    # The programs loaded as compiled, without tracing; the init's outputs read, not computed.
+    assert second["loaded"] == 4 and second["kept"] == 0 and second["read"] == 1
+    assert second["stages"] == [0.0, 0.0, 0.0]  # nothing traced, lowered or compiled
     assert second["losses"] == first["losses"]  # the same program: the same values, bit for bit
 
 
