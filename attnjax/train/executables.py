@@ -18,7 +18,10 @@ trees and the devices it was compiled for, written under a private name and rena
 runs see whole entries or none); an unreadable one is compiled again and replaced. A program that
 JAX's persistent cache already held is not kept (XLA:CPU serialises an executable it read back
 without its code): it is kept by the first run that compiles it, after a change of versions,
-flags or the program itself. Entries are read by the one process of a
+flags or the program itself. A model's initialisation keeps its outputs too (``memoized``,
+``jit(..., keep_outputs=True)``), keyed by the same and by its arguments' values: a repeated run
+reads its initial parameters instead of loading and running the program (warm first steps in
+benchmarks/results/first_step.md). Entries are read by the one process of a
 single-process run; a multi-process run compiles as without them. The directory:
 ``$ATTNJAX_EXECUTABLE_CACHE`` (``off``, ``0``, ``false`` or ``no`` turns it off), else
 ``attnjax-executables/`` inside the compilation cache's directory (``~/.cache/attnjax/jax`` by
