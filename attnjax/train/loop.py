@@ -23,7 +23,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 from absl import logging
@@ -35,6 +34,7 @@ from attnjax.train import (
     checkpoint,
     checkpoint_integrity,
     executables,
+    keys,
     nonfinite,
     performance,
     preemption,
@@ -84,43 +84,6 @@ def evaluate(
     return metrics
 
 
-class _StepKeys:
-    """``fold_in(train_rng, i)`` for step ``i``, computed ``chunk`` steps at a time into host
-    memory.
-
-    A key made on the device per step is a small computation queued behind the running step, and
-    the loop waits for it before it can dispatch the next one; keys from host memory let the
-    loop run ahead of the device, as it does with batches. Same keys as folding in one by one.
-    One kept program (``executables``): a repeated run loads it instead of compiling it."""
-
-    def __init__(self, config, train_rng, chunk: int):
-        self.train_rng = train_rng
-        self.chunk = max(int(chunk), 1)
-        self.first, self.keys = None, None
-        self.fold = executables.jit(config, "step_keys", functools.partial(_fold, size=self.chunk))
-
-    def __call__(self, index: int) -> np.ndarray:
-        if self.first is None or not self.first <= index < self.first + self.chunk:
-            self.first = index
-            self.keys = np.asarray(self.fold(self.train_rng, np.uint32(index)))
-        return self.keys[index - self.first]
-
-
-def _fold(rng, first, *, size: int):
-    steps = first + jnp.arange(size, dtype=jnp.uint32)
-    return jax.vmap(lambda i: jax.random.fold_in(rng, i))(steps)
-
-
-def run_keys(config) -> tuple[np.ndarray, np.ndarray]:
-    """``(init_rng, train_rng)``: ``jax.random.split(jax.random.PRNGKey(config.seed))`` as host
-    arrays, from one kept program rather than three small ones compiled by every start."""
-    split = executables.jit(
-        config, "run_keys", lambda seed: jax.random.split(jax.random.PRNGKey(seed))
-    )
-    keys = np.asarray(split(np.int32(config.seed)))
-    return keys[0], keys[1]
-
-
 def train_and_evaluate(config, workdir: str, task) -> dict:
     """Trains ``task`` (a task module, see ``attnjax.tasks``) as ``config`` says in ``workdir``,
     resuming from its latest checkpoint if any.
@@ -137,7 +100,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     checkpoint.check_compatible(workdir, config, identity)
     model = task.create_model(config)
     datasets = _make_datasets(config, task)
-    init_rng, train_rng = run_keys(config)
+    init_rng, train_rng = keys.run_keys(config)
     # A resumed run replaces every value of its initial state: it needs only the state's shapes
     # and layout, not the compiled and run initialisation.
     resuming = dp.mode == "jit" and checkpoint.latest_step(workdir) is not None
@@ -214,7 +177,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             checkpoint_integrity.disk_full_as_write_error(str(ckpt.manager.directory)),
         ):
             state, result = _train(
-                run, state, start, batches, _StepKeys(config, train_rng, config.log_every), stop
+                run, state, start, batches, keys.StepKeys(config, train_rng, config.log_every), stop
             )
             _finish(run, state, start, result)
     if is_main:

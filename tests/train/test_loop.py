@@ -8,7 +8,6 @@ import math
 import os
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -207,25 +206,3 @@ def test_read_metrics_keeps_the_last_record_of_each_step_and_kind(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     assert report.read_metrics(str(tmp_path)) == [records[0], records[3], records[4], records[5]]
-
-
-def test_run_keys_are_the_split_of_the_seeds_key():
-    from attnjax.train.loop import run_keys
-
-    for seed in (0, 7, 2**31 - 1, -3):
-        config = ml_collections.ConfigDict({"seed": seed})
-        expected = np.asarray(jax.random.split(jax.random.PRNGKey(seed)))
-        init_rng, train_rng = run_keys(config)
-        np.testing.assert_array_equal(init_rng, expected[0])
-        np.testing.assert_array_equal(train_rng, expected[1])
-
-
-def test_step_keys_from_host_memory_are_the_per_step_fold_in():
-    from attnjax.train.loop import _StepKeys
-
-    train_rng = jax.random.split(jax.random.PRNGKey(7))[1]
-    keys = _StepKeys(ml_collections.ConfigDict({"seed": 7}), train_rng, chunk=8)
-    # In order, across chunk boundaries, then backwards and far ahead (a resumed run starts
-    # anywhere).
-    for index in list(range(20)) + [3, 1000, 999, 7]:
-        np.testing.assert_array_equal(keys(index), np.asarray(jax.random.fold_in(train_rng, index)))
