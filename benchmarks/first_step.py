@@ -203,8 +203,9 @@ def table(rows: list[dict], machine: dict) -> str:
         )
     lines += [
         "",
-        "Warm: the initial state's programs and the train and eval steps loaded as compiled "
-        "(attnjax/train/executables.py), the other programs from JAX's persistent cache. Warm, "
+        "Warm: the initial parameters read as kept values, the run's keys, the optimiser's "
+        "initial state and the train step loaded as compiled (attnjax/train/executables.py); "
+        "nothing traced, lowered or compiled before the first step. Warm, "
         "traced: the same start with `ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and "
         "lowered before JAX's cache answers (what a warm start was before).",
         "",
