@@ -329,7 +329,10 @@ def _on_default_device(x) -> bool:
         return False
     if isinstance(x, jax.Array):
         return not x.committed and len(x.sharding.device_set) == 1 and _plain_array(x)
-    return isinstance(x, (np.ndarray, np.generic, int, float, bool))
+    return isinstance(x, (int, float, bool)) or (
+        isinstance(x, (np.ndarray, np.generic))
+        and x.dtype.kind in "biufc"  # bytes that mean values
+    )
 
 
 def _plain_array(x) -> bool:

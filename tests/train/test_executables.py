@@ -282,3 +282,11 @@ def test_arguments_placed_by_the_caller_or_traced_run_the_program(cache_dir):
     assert all(leaf.committed for leaf in jax.tree.leaves(got))
     jax.eval_shape(memoized, rng, x)
     assert list(cache_dir.glob(f"*{executables.RESULTS_SUFFIX}")) == []
+
+
+def test_host_arguments_whose_bytes_are_not_their_values_run_the_program(cache_dir):
+    names = np.array(["a", None], dtype=object)  # pointers: equal bytes, other values
+    memoized = executables.ExecutableCache({}).memoized("size", jax.jit(lambda n: n + 1))
+    assert executables._on_default_device(names) is False
+    assert int(memoized(np.int32(2))) == 3  # plain integers are kept
+    assert len(list(cache_dir.glob(f"*{executables.RESULTS_SUFFIX}"))) == 1
