@@ -305,27 +305,31 @@ def load(
             step = manager.best_step() if best else manager.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoints under {directory!r}.")
-        # Whole arrays on every device, whatever mesh wrote them.
-        whole = jax.sharding.NamedSharding(
-            jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.sharding.PartitionSpec()
-        )
         saved = (
             ocp.StandardCheckpointHandler()
             .metadata(storage.path(directory) / str(step) / "state")
             .tree
         )
-        target = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=whole), saved
-        )
+        ema = use_ema and bool(saved.get("ema_params"))
+        fields = ["ema_params" if ema else "params"]
+        fields += [name for name in variables or () if saved.get(name)]
+        wanted = {name: saved[name] for name in fields}
+        # Only the fields inference reads, as host arrays whatever mesh wrote them: the optimiser
+        # state (Adam's two moments per parameter) is most of a train state's bytes and files.
         state = manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )
-    state = jax.tree.map(np.asarray, state["state"])
-    params = state["params"]
-    if use_ema and state.get("ema_params") is not None:
-        params = state["ema_params"]
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=wanted,
+                    restore_args=jax.tree.map(
+                        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted
+                    ),
+                    partial_restore=True,
+                )
+            ),
+        )["state"]
+    out = {"params": state.pop(fields[0])}
     if variables is None:
-        return config, params
-    out = {"params": params}
-    out.update({name: state[name] for name in variables if state.get(name)})
+        return config, out["params"]
+    out.update(state)
     return config, out
