@@ -296,6 +296,17 @@ class VQGAN(_DDConfig):
     dtype: Any = None
     remat: bool = False  # recompute the encoder's and decoder's blocks in the backward pass
 
+    def token_grid(self, height: int, width: int) -> tuple[int, int]:
+        """The token grid ``(h, w)`` that ``encode`` gives ``height x width`` images, without
+        tracing it."""
+        factor = self.downsample_factor
+        if height % factor or width % factor:
+            raise ValueError(
+                f"VQGAN: images must have height and width divisible by {factor} "
+                f"(2 ** (len(ch_mult) - 1)), got {height} x {width}"
+            )
+        return height // factor, width // factor
+
     def setup(self):
         shared = {name: getattr(self, name) for name in _DDCONFIG_FIELDS}
         # Lists (from a config file) become tuples: module fields must be hashable.

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from tqdm import tqdm
@@ -57,9 +56,7 @@ def load_vqgan(workdir: str, step: int | None = None) -> TrainedVQGAN:
     model, variables = vqgan_task.inference_model(vq_config, loaded)
     step = checkpoint.latest_step(workdir) if step is None else step
     size = vq_config.data.image_size or model.resolution  # image_size 0: the native size
-    image = jax.ShapeDtypeStruct((1, size, size, model.in_channels), jnp.float32)
-    grid = jax.eval_shape(lambda x: _encode_indices(model, variables, x), image).shape[1:]
-    return TrainedVQGAN(workdir, vq_config, model, variables, step, tuple(grid))
+    return TrainedVQGAN(workdir, vq_config, model, variables, step, model.token_grid(size, size))
 
 
 def _params_digest(tree) -> str:

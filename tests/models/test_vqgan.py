@@ -184,6 +184,21 @@ def test_bad_inputs_raise_clear_errors():
         )
 
 
+@pytest.mark.parametrize("name", sorted(DDCONFIGS))
+def test_token_grid_is_the_shape_encode_gives(name):
+    model = vqgan.create_vqgan(DDCONFIGS[name], N_EMBED, EMBED_DIM)
+    example = jnp.zeros((1, 16, 16, model.in_channels))
+    variables = jax.eval_shape(model.init, jax.random.PRNGKey(0), example)
+    for height, width in ((16, 16), (32, 16), (8, 24)):
+        image = jax.ShapeDtypeStruct((2, height, width, model.in_channels), jnp.float32)
+        indices = jax.eval_shape(
+            lambda v, x: model.apply(v, x, method=vqgan.VQGAN.encode)[1], variables, image
+        )
+        assert model.token_grid(height, width) == indices.shape[1:]
+    with pytest.raises(ValueError, match=r"divisible by \d+ .*got 9 x 16"):
+        model.token_grid(9, 16)
+
+
 def test_bfloat16_compute_keeps_float32_parameters_quantizer_and_image():
     """dtype=bfloat16: the encoder and decoder compute in bf16 (their convolutions are bf16 in the
     program), while parameters, the quantizer's input and the image out stay float32; encoder
