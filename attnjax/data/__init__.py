@@ -6,7 +6,6 @@ digits dataset (``digits``) and PNG pictures (``images``).
 The pipeline's public functions are re-exported here, so a caller writes ``data.make_datasets``.
 """
 
-from attnjax.data.digits import DIGITS_TEST_SIZE, EMBEDDED_BUILDERS, Digits
 from attnjax.data.pipeline import (
     Datasets,
     default_data_dir,
@@ -47,3 +46,14 @@ __all__ = [
     "unreadable_count",
     "unreadable_metrics",
 ]
+
+_DIGITS = ("DIGITS_TEST_SIZE", "EMBEDDED_BUILDERS", "Digits")
+
+
+def __getattr__(name):
+    # The digits builder subclasses a TFDS class: importing it imports TFDS, so only on use.
+    if name in _DIGITS:
+        from attnjax.data import digits
+
+        return getattr(digits, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,10 +33,8 @@ from typing import Any, Callable, NamedTuple
 
 import grain
 import numpy as np
-import tensorflow_datasets as tfds
 
 from attnjax.data import preprocess, sources
-from attnjax.data.digits import EMBEDDED_BUILDERS
 from attnjax.data.transforms import normalize
 
 
@@ -99,6 +97,12 @@ def _preparation_lock(data_dir: str, name: str):
 
 def load_source(name: str, split: str, data_dir: str | None = None):
     """Random-access TFDS source for ``name``/``split``; prepares embedded datasets on first use."""
+    # Imported here, not with the module: TFDS and its builder registry take a tenth of a second
+    # to import, which runs that read image folders or cached codes need not pay.
+    import tensorflow_datasets as tfds
+
+    from attnjax.data.digits import EMBEDDED_BUILDERS
+
     data_dir = default_data_dir(data_dir)
     try:
         builder = tfds.builder(name, data_dir=data_dir)

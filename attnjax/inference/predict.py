@@ -65,6 +65,8 @@ def _tfds_label_names(data_config) -> list[str]:
     """The label names a prepared TFDS dataset records; none where it records none."""
     import tensorflow_datasets as tfds
 
+    from attnjax.data import digits  # noqa: F401  (registers the embedded builders with TFDS)
+
     try:
         builder = tfds.builder(
             data_config.name, data_dir=data.default_data_dir(data_config.get("data_dir"))

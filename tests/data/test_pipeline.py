@@ -191,6 +191,7 @@ def test_batch_size_must_divide_over_processes(digits_config):
 
 _PREPARE_WHEN_TOLD = """
 import os, sys, time
+import tensorflow_datasets
 from attnjax import data
 go, data_dir = sys.argv[1], sys.argv[2]
 while not os.path.exists(go):
