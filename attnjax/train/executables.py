@@ -21,7 +21,9 @@ without its code): it is kept by the first run that compiles it, after a change 
 flags or the program itself. A model's initialisation keeps its outputs too (``memoized``,
 ``jit(..., keep_outputs=True)``), keyed by the same and by its arguments' values: a repeated run
 reads its initial parameters instead of loading and running the program (warm first steps in
-benchmarks/results/first_step.md). Entries are read by the one process of a
+benchmarks/results/first_step.md). Each run lists the programs it used (``read_ahead``), and
+the next run of the same config starts loading them on a thread before it needs them, while it
+reads its data and builds its initial state. Entries are read by the one process of a
 single-process run; a multi-process run compiles as without them. The directory:
 ``$ATTNJAX_EXECUTABLE_CACHE`` (``off``, ``0``, ``false`` or ``no`` turns it off), else
 ``attnjax-executables/`` inside the compilation cache's directory (``~/.cache/attnjax/jax`` by
@@ -32,12 +34,15 @@ first.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import functools
 import hashlib
 import json
 import os
 import pathlib
 import pickle
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -65,7 +70,12 @@ JAX_SETTINGS = (
     "jax_threefry_partitionable",
 )
 
-_counts = {"loaded": 0, "written": 0, "load_seconds": 0.0, "results_read": 0}
+_counts = {"loaded": 0, "written": 0, "load_seconds": 0.0, "results_read": 0, "read_ahead": 0}
+# The programs read ahead (entry path -> future of (platform, program)), and the run whose list of
+# programs this process writes: [its path, the entry names in the order first used].
+_ahead: dict[str, concurrent.futures.Future] = {}
+_run: list = [None, []]
+_stop_reading = threading.Event()
 
 
 def directory() -> pathlib.Path | None:
@@ -132,9 +142,10 @@ def _signature(args) -> str:
 
 
 def counts() -> dict:
-    """``{"loaded", "written", "load_seconds", "results_read"}``: entries this process read,
-    entries it compiled and wrote, the seconds reading and loading took, and the kept outputs
-    read instead of running their program (``memoized``)."""
+    """``{"loaded", "written", "load_seconds", "results_read", "read_ahead"}``: entries this
+    process read, entries it compiled and wrote, the seconds reading and loading took (on the
+    caller's thread), the kept outputs read instead of running their program (``memoized``), and
+    the loaded entries that ``read_ahead`` had read."""
     return dict(_counts)
 
 
@@ -149,9 +160,9 @@ class ExecutableCache:
         if self.directory is not None:
             self._base = json.dumps({**identity, **environment()}, sort_keys=True, default=str)
 
-    def cached(self, name: str, jitted: Callable) -> Callable:
+    def cached(self, name: str, jitted: Callable, listed: bool = True) -> Callable:
         """``jitted`` (a ``jax.jit`` function), its programs read from and written to the cache,
-        one per argument signature."""
+        one per argument signature (``listed``: in the run's list that ``read_ahead`` reads)."""
         if self.directory is None:
             return jitted
         programs: dict[str, Callable] = {}
@@ -172,7 +183,7 @@ class ExecutableCache:
             signature = _signature(args)
             program = programs.get(signature)
             if program is None:
-                program = programs[signature] = self._program(name, jitted, args, signature)
+                program = programs[signature] = self._program(name, jitted, args, signature, listed)
             last[:] = [program]
             return program(*args)
 
@@ -186,7 +197,8 @@ class ExecutableCache:
         arguments (the same key, the same argument values), it reads the outputs it gave, placed
         as the program places them, without loading or running the program. Arguments on a
         chosen device, or sharded, run the program."""
-        program = self.cached(name, jitted)
+        # Not listed for reading ahead: a repeated run reads the outputs, not the program.
+        program = self.cached(name, jitted, listed=False)
         if self.directory is None:
             return program
 
@@ -246,7 +258,7 @@ class ExecutableCache:
             file.writelines(parts)
         os.replace(private, path)
 
-    def _program(self, name: str, jitted: Callable, args, signature: str) -> Callable:
+    def _program(self, name: str, jitted: Callable, args, signature: str, listed: bool):
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
         path = self.directory / f"{name}-{key[:32]}{SUFFIX}"
         start = time.perf_counter()
@@ -254,6 +266,8 @@ class ExecutableCache:
         if loaded is not None:
             _counts["loaded"] += 1
             _counts["load_seconds"] += time.perf_counter() - start
+            if listed:
+                self._list(path.name)
             return loaded
         hits = compilation_cache.counts()["hits"]
         compiled = jitted.lower(*args).compile()
@@ -261,21 +275,20 @@ class ExecutableCache:
             # Read back from JAX's own cache: XLA:CPU serialises such an executable without its
             # code (loading it fails with "Function ... not found"), so it is not kept.
             return compiled
-        self._store(path, compiled)
+        if self._store(path, compiled) and listed:
+            self._list(path.name)
         return compiled
 
     def _load(self, path: pathlib.Path, args):
+        platform = _platform(args) or jax.default_backend()
+        ahead = _ahead.pop(str(path), None)
         try:
-            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
-            platform = _platform(args)
-            devices = {d.id: d for d in jax.devices(platform)}
-            program = serialize_executable.deserialize_and_load(
-                payload,
-                in_tree,
-                out_tree,
-                backend=platform,
-                execution_devices=None if device_ids is None else [devices[i] for i in device_ids],
-            )
+            read = ahead.result() if ahead is not None and not ahead.cancelled() else None
+            if read is not None and read[0] == platform:
+                program = read[1]
+                _counts["read_ahead"] += 1
+            else:
+                program = _deserialize(path, platform)
             placed = _device_ids(args)  # none for host arrays: the default device takes them
             if placed and not _device_ids(program.input_shardings) <= placed:
                 raise ValueError("compiled for other devices than its arguments are on")
@@ -287,16 +300,88 @@ class ExecutableCache:
         os.utime(path)  # its last use, for the size bound
         return program
 
-    def _store(self, path: pathlib.Path, compiled) -> None:
+    def _list(self, name: str) -> None:
+        """Adds an entry to the run's list (``read_ahead``), rewritten whole on each change."""
+        where, names = _run
+        if where is None or name in names or where.parent != self.directory:
+            return
+        names.append(name)
+        try:
+            self._write(where, json.dumps(names).encode())
+        except OSError as error:  # a full disk: the next run reads nothing ahead
+            logging.warning("list of programs not written to %s: %s", where, error)
+
+    def _store(self, path: pathlib.Path, compiled) -> bool:
         try:
             device_ids = compat.executable_device_ids(compiled)
             entry = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
             self._write(path, entry)
         except Exception as error:  # a program the backend cannot serialise, a full disk
             logging.warning("compiled program not kept in %s: %s", self.directory, error)
-            return
+            return False
         _counts["written"] += 1
         _bound_size(self.directory)
+        return True
+
+
+def _deserialize(path: pathlib.Path, platform: str | None):
+    """The program kept at ``path``, loaded onto ``platform``'s devices it was compiled for."""
+    payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+    devices = {d.id: d for d in jax.devices(platform)}
+    return serialize_executable.deserialize_and_load(
+        payload,
+        in_tree,
+        out_tree,
+        backend=platform,
+        execution_devices=None if device_ids is None else [devices[i] for i in device_ids],
+    )
+
+
+def read_ahead(config) -> None:
+    """Starts loading the programs that the last run of ``config`` here loaded or compiled, in
+    the order it first used them, on a thread beside the caller, and lists this run's programs
+    for the next. Loading a program is code linking outside Python's lock (1.2-1.4 s for
+    ViT-B/16's train step on one core), so it overlaps the caller's data and initial state; a
+    program that turns out different (another signature, another platform) is loaded as
+    without it."""
+    cache = ExecutableCache(identity_of(config))
+    if cache.directory is None:
+        return
+    where = cache.directory / f"run-{hashlib.sha256(cache._base.encode()).hexdigest()[:32]}.json"
+    _run[:] = [where, []]
+    try:
+        names = json.loads(where.read_text())
+    except (OSError, ValueError):  # a first run, or a damaged list: nothing read ahead
+        return
+    if not isinstance(names, list):
+        return
+    jobs = [
+        (str(cache.directory / n), concurrent.futures.Future())
+        for n in names
+        if isinstance(n, str) and n.endswith(SUFFIX) and "/" not in n and not n.startswith(".")
+    ]
+    _ahead.clear()
+    _ahead.update(jobs)
+    _stop_reading.clear()
+    platform = _platform(()) or jax.default_backend()  # where host arguments will go
+    thread = threading.Thread(
+        target=_read_all, args=(jobs, platform), name="attnjax-read-ahead", daemon=True
+    )
+    thread.start()
+    # A run that ends first waits for the program being loaded, not for the rest: the backend
+    # must not be torn down under it.
+    atexit.register(lambda: (_stop_reading.set(), thread.join()))
+
+
+def _read_all(jobs, platform) -> None:
+    for path, future in jobs:
+        if _stop_reading.is_set():
+            future.cancel()
+            continue
+        try:
+            future.set_result((platform, _deserialize(pathlib.Path(path), platform)))
+        except BaseException as error:  # handed to whoever asks for this program
+            future.set_exception(error)
 
 
 def _pack(tree) -> list:
@@ -392,7 +477,8 @@ def first_step_line() -> str:
     c = counts()
     return (
         f"{line} ({stages}): {c['loaded']} compiled programs loaded in "
-        f"{c['load_seconds']:.1f} s, {c['written']} kept, {c['results_read']} outputs read; "
+        f"{c['load_seconds']:.1f} s ({c['read_ahead']} read ahead), {c['written']} kept, "
+        f"{c['results_read']} outputs read; "
         f"{compilation_cache.summary()}"
     )
 

@@ -96,6 +96,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     _check_loop_fields(config)
     data_parallel.maybe_initialize_distributed(config)
     dp = make_data_parallel(config, task)
+    executables.read_ahead(config)  # the last run's programs, loaded while the data is read
     identity = getattr(task, "IDENTITY_FIELDS", checkpoint.DEFAULT_IDENTITY_FIELDS)
     checkpoint.check_compatible(workdir, config, identity)
     model = task.create_model(config)

@@ -16,8 +16,9 @@ from attnjax.train import compilation_cache, executables, report
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIRST_STEP = re.compile(
     r"first step done ([\d.]+) s after the process started \(tracing ([\d.]+) s, lowering "
-    r"([\d.]+) s, compiling ([\d.]+) s\): (\d+) compiled programs loaded in [\d.]+ s, (\d+) "
-    r"kept, (\d+) outputs read; (\d+) programs from the compilation cache at (\S+) "
+    r"([\d.]+) s, compiling ([\d.]+) s\): (\d+) compiled programs loaded in [\d.]+ s \((\d+) "
+    r"read ahead\), (\d+) kept, (\d+) outputs read; (\d+) programs from the compilation cache "
+    r"at (\S+) "
     r"\((-?[\d.]+) s of compiling saved\), (\d+) compiled and written to it"
 )
 
@@ -50,9 +51,8 @@ def _train(workdir, digits_dir, cache):
         timeout=300,
     )
     (match,) = FIRST_STEP.findall(run.stdout + run.stderr)
-    seconds, tracing, lowering, compiling, loaded, kept, read, hits, directory, saved, written = (
-        match
-    )
+    (seconds, tracing, lowering, compiling, loaded, ahead, kept, read, hits, directory, saved,
+     written) = match  # fmt: skip
     assert directory == str(cache)
     # The stages are parts of the time to the first step.
     stages = [float(tracing), float(lowering), float(compiling)]
@@ -62,8 +62,8 @@ def _train(workdir, digits_dir, cache):
     losses = [r["train/loss"] for r in records]
     return dict(
         stages=stages,
-        loaded=int(loaded), kept=int(kept), read=int(read), hits=int(hits), saved=float(saved),
-        written=int(written), losses=losses,
+        loaded=int(loaded), ahead=int(ahead), kept=int(kept), read=int(read), hits=int(hits),
+        saved=float(saved), written=int(written), losses=losses,
     )  # fmt: skip
 
 
@@ -74,6 +74,7 @@ def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     # optimiser's init, the step keys and the train step (the eval step comes after the first).
     assert first["hits"] == 0 and first["saved"] == 0.0 and first["written"] >= 2
     assert first["loaded"] == 0 and first["kept"] == 5 and first["read"] == 0
+    assert first["ahead"] == 0  # no run before it listed programs
     assert min(first["stages"]) > 0
     entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
     assert len(entries - {executables.SUBDIRECTORY}) >= 2  # each program written once
@@ -82,6 +83,9 @@ def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     assert second["written"] == 0, "the second run compiled a program the first had written"
     # The programs loaded as compiled, without tracing; the init's outputs read, not computed.
     assert second["loaded"] == 4 and second["kept"] == 0 and second["read"] == 1
+    # Each of them loaded on the thread the run started before its data: the first run listed
+    # every program it used but the init, whose outputs the second reads instead.
+    assert second["ahead"] == 4
     assert second["stages"] == [0.0, 0.0, 0.0]  # nothing traced, lowered or compiled
     assert second["losses"] == first["losses"]  # the same program: the same values, bit for bit
 

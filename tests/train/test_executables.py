@@ -2,10 +2,12 @@
 gives the values the traced program gives, and any change to the key (identity, source, flags,
 shapes) traces and compiles anew; a damaged entry is compiled again and replaced."""
 
+import json
 import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -290,3 +292,30 @@ def test_host_arguments_whose_bytes_are_not_their_values_run_the_program(cache_d
     assert executables._on_default_device(names) is False
     assert int(memoized(np.int32(2))) == 3  # plain integers are kept
     assert len(list(cache_dir.glob(f"*{executables.RESULTS_SUFFIX}"))) == 1
+
+
+def test_the_next_run_loads_its_listed_programs_ahead_and_a_damaged_list_reads_none(
+    cache_dir, monkeypatch
+):
+    monkeypatch.setattr(executables, "_run", [None, []])  # this test's run only
+    config = ml_collections.ConfigDict({"lr": 1})
+    x = jnp.eye(4) * 0.5
+
+    def start_and_step():
+        executables.read_ahead(config)
+        step = executables.jit(config, "step", lambda s, x: counted_step()[0](s, x))
+        return jax.device_get(step(state(), x))
+
+    first = start_and_step()  # nothing listed before: compiled, kept and listed
+    (listed,) = cache_dir.glob("run-*.json")
+    (entry,) = cache_dir.glob(f"step-*{executables.SUFFIX}")
+    assert json.loads(listed.read_text()) == [entry.name]
+    for damaged_list, read_ahead in ((False, 1), (True, 0)):
+        if damaged_list:
+            listed.write_text('{"not": "a list"')
+        before = executables.counts()
+        again = start_and_step()
+        after = executables.counts()
+        assert after["loaded"] - before["loaded"] == 1 and after["written"] == before["written"]
+        assert after["read_ahead"] - before["read_ahead"] == read_ahead
+        jax.tree.map(np.testing.assert_array_equal, again, first)
