@@ -204,13 +204,15 @@ def table(rows: list[dict], machine: dict) -> str:
     lines += [
         "",
         "Warm: the initial parameters read as kept values, the run's keys, the optimiser's "
-        "initial state and the train step loaded as compiled (attnjax/train/executables.py); "
-        "nothing traced, lowered or compiled before the first step. Warm, "
+        "initial state and the train step loaded as compiled (attnjax/train/executables.py), "
+        "on a thread that starts loading the programs the cold run listed before the run reads "
+        "its data; nothing traced, lowered or compiled before the first step. Warm, "
         "traced: the same start with `ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and "
         "lowered before JAX's cache answers (what a warm start was before).",
         "",
         "Where each start's time goes (seconds; JAX's own timings of its stages, summed over the "
-        "process up to the first step; loading: the kept executables read and loaded; imports as "
+        "process up to the first step; loading: the time the run waited for kept executables to be "
+        "read and loaded, beyond what the thread had loaded meanwhile; imports as "
         "above; the rest is the config, data pipeline, "
         "initial state, workdir and the step itself; CPU kernel choices timed while a program "
         "is traced compile inside the tracing, so on a cold start the stages overlap and the rest "
