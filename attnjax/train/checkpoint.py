@@ -328,8 +328,7 @@ def load(
                 )
             ),
         )["state"]
-    out = {"params": state.pop(fields[0])}
+    params = state.pop(fields[0])
     if variables is None:
-        return config, out["params"]
-    out.update(state)
-    return config, out
+        return config, params
+    return config, {"params": params, **state}
