@@ -4,11 +4,11 @@ same first step eagerly (timm's ViT, taming's VQGAN and GPT; benchmarks/first_st
 
     python benchmarks/first_step.py [--rows vit_digits,vqgan_digits,prior_digits,vit_b16]
 
-Each attnjax row runs three times in fresh processes: cold (an empty ``$XDG_CACHE_HOME``: no
+Each attnjax row runs four times in fresh processes: cold (an empty ``$XDG_CACHE_HOME``: no
 compiled program and no CPU kernel choice cached, a machine's first run), warm (the same cache
-directory, a new workdir: a repeated or resumed run, its steps loaded as compiled), and warm with
-``ATTNJAX_EXECUTABLE_CACHE=off`` (JAX's persistent cache alone: every program traced and lowered
-again). The time is measured from here, from the
+directory, a new workdir: a repeated or resumed run, its steps loaded as compiled), changed (a
+config that differs only in ``log_every``: the same programs under a new key, compiled and kept
+again) and that changed config once more (warm again). The time is measured from here, from the
 moment the process is started to the line the loop prints after the first step; the process is
 then stopped. Where the time goes is read from train.py's own line and from ``-X importtime``.
 ViT-B/16 at 224 px reads a folder of random 256 px JPEGs (``folder:`` source), batch 8.
@@ -38,6 +38,8 @@ FIRST_STEP = re.compile(
     r"first step done(?: ([\d.]+) s after the process started)?(?: \(([^)]*)\))?: (.*)"
 )
 B16_BATCH = 8
+KINDS = {"cold": "cold", "warm": "warm", "changed": "changed", "changed_again": "changed, again"}
+CHANGE = "--config.log_every=7"  # read by the loop, by no program
 
 ROWS = {  # name: (description, train.py flags, torch batch)
     "vit_digits": ("ViT digits (4 x 64, 16 tokens), batch 64", ["configs/vit_digits.py"], 64),
@@ -160,14 +162,13 @@ def row(name: str, directory: pathlib.Path, inputs) -> dict:
     data_dir, vqgan, folder = inputs
     cache_home = str(directory / f"cache_{name}")
     result = dict(name=name, description=description)
-    # warm_traced: the same warm start with no kept executables, JAX's persistent cache alone
-    # (every program traced and lowered again before the cache answers).
-    for kind in ("cold", "warm", "warm_traced"):
+    # changed: the warm start with a config that differs only where no program reads it (a new
+    # key for the kept programs, the same programs); changed_again: that config once more.
+    for kind in KINDS:
         workdir = str(directory / f"run_{name}_{kind}")
-        command = jax_command(flags, workdir, data_dir, folder, vqgan)
+        changed = [CHANGE] if kind.startswith("changed") else []
+        command = jax_command([*flags, *changed], workdir, data_dir, folder, vqgan)
         env = environment(cache_home)
-        if kind == "warm_traced":
-            env["ATTNJAX_EXECUTABLE_CACHE"] = "off"
         seconds, line = timed_until_first_step(command, env)
         result[f"attnjax_{kind}"] = round(seconds, 2)
         result[f"attnjax_{kind}_line"] = line
@@ -206,9 +207,10 @@ def table(rows: list[dict], machine: dict) -> str:
         "Warm: the initial parameters read as kept values, the run's keys, the optimiser's "
         "initial state and the train step loaded as compiled (attnjax/train/executables.py), "
         "on a thread that starts loading the programs the cold run listed before the run reads "
-        "its data; nothing traced, lowered or compiled before the first step. Warm, "
-        "traced: the same start with `ATTNJAX_EXECUTABLE_CACHE=off`, every program traced and "
-        "lowered before JAX's cache answers (what a warm start was before).",
+        "its data; nothing traced, lowered or compiled before the first step. Changed: the "
+        f"warm start with `{CHANGE}`, a config no program reads differently: its programs "
+        "are traced, lowered and compiled again (past JAX's cache, whose copies XLA:CPU could "
+        "not serialise again) and kept; changed, again: the same config once more, warm.",
         "",
         "Where each start's time goes (seconds; JAX's own timings of its stages, summed over the "
         "process up to the first step; loading: the time the run waited for kept executables to be "
@@ -222,7 +224,7 @@ def table(rows: list[dict], machine: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for kind, label in (("cold", "cold"), ("warm", "warm"), ("warm_traced", "warm, traced")):
+        for kind, label in KINDS.items():
             if f"attnjax_{kind}" not in r:
                 continue
             total, parts = r[f"attnjax_{kind}"], r.get(f"attnjax_{kind}_stages", {})

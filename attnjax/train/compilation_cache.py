@@ -24,12 +24,14 @@ loop logs it with the time of the first step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 
 import filelock
 import jax
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 ENV_DIR = "ATTNJAX_COMPILATION_CACHE"
 ENV_MAX_GB = "ATTNJAX_COMPILATION_CACHE_MAX_GB"
@@ -110,6 +112,20 @@ def remove_interrupted_entries(directory: pathlib.Path) -> list[str]:
                 entry.unlink(missing_ok=True)
                 removed.append(entry.name)
     return removed
+
+
+@contextlib.contextmanager
+def bypassed():
+    """Compiles inside neither read nor write the persistent cache (for the whole process, so
+    only where no other thread compiles meanwhile)."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_cache.reset_cache()  # JAX decides once per process whether it uses the cache
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        jax_cache.reset_cache()
 
 
 def current_directory() -> str | None:

@@ -15,16 +15,17 @@ decides the program before any tracing:
 
 An entry is ``jax.experimental.serialize_executable``'s executable with its argument and result
 trees and the devices it was compiled for, written under a private name and renamed (concurrent
-runs see whole entries or none); an unreadable one is compiled again and replaced. A program that
-JAX's persistent cache already held is not kept (XLA:CPU serialises an executable it read back
-without its code): it is kept by the first run that compiles it, after a change of versions,
-flags or the program itself. A model's initialisation keeps its outputs too (``memoized``,
-``jit(..., keep_outputs=True)``), keyed by the same and by its arguments' values: a repeated run
-reads its initial parameters instead of loading and running the program (warm first steps in
-benchmarks/results/first_step.md). Each run lists the programs it used (``read_ahead``), and
-the next run of the same config starts loading them on a thread before it needs them, while it
-reads its data and builds its initial state. Entries are read by the one process of a
-single-process run; a multi-process run compiles as without them. The directory:
+runs see whole entries or none); an unreadable one is compiled again and replaced. A program
+missing here is compiled past JAX's persistent cache, which it neither reads nor writes: XLA:CPU
+serialises an executable read back from that cache without its code, so one found there could not
+be kept, and every later run of a config whose programs another run had compiled (one differing
+only in ``log_every``, or after an edit of attnjax) would trace them again. A model's
+initialisation keeps its outputs too (``memoized``), keyed by the same and by its arguments'
+values: a repeated run reads its initial parameters instead of loading and running the program
+(warm first steps in benchmarks/results/first_step.md). Each run lists the programs it used
+(``read_ahead``), and the next run of the same config starts loading them on a thread before it
+needs them, while it reads its data and builds its initial state. Entries are read by the one
+process of a single-process run; a multi-process run compiles as without them. The directory:
 ``$ATTNJAX_EXECUTABLE_CACHE`` (``off``, ``0``, ``false`` or ``no`` turns it off), else
 ``attnjax-executables/`` inside the compilation cache's directory (``~/.cache/attnjax/jax`` by
 default; none where the compilation cache is off). It keeps at most
@@ -269,12 +270,12 @@ class ExecutableCache:
             if listed:
                 self._list(path.name)
             return loaded
-        hits = compilation_cache.counts()["hits"]
-        compiled = jitted.lower(*args).compile()
-        if compilation_cache.counts()["hits"] > hits:
-            # Read back from JAX's own cache: XLA:CPU serialises such an executable without its
-            # code (loading it fails with "Function ... not found"), so it is not kept.
-            return compiled
+        lowered = jitted.lower(*args)
+        # Not from JAX's own cache: XLA:CPU serialises an executable it read back without its
+        # code (loading it fails with "Function ... not found"). Compiled here, it is kept, and
+        # JAX's cache needs no copy of it.
+        with compilation_cache.bypassed():
+            compiled = lowered.compile()
         if self._store(path, compiled) and listed:
             self._list(path.name)
         return compiled

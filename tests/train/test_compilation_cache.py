@@ -70,14 +70,15 @@ def _train(workdir, digits_dir, cache):
 def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     cache = tmp_path / "cache"
     first = _train(tmp_path / "first", digits_dir, cache)
-    # At least the init and the train step compiled; kept whole: the run's keys, the init, the
-    # optimiser's init, the step keys and the train step (the eval step comes after the first).
-    assert first["hits"] == 0 and first["saved"] == 0.0 and first["written"] >= 2
+    # Kept whole: the run's keys, the init, the optimiser's init, the step keys and the train
+    # step (the eval step comes after the first), each compiled past JAX's cache, which holds
+    # none of them (XLA:CPU could not serialise them again from there).
+    assert first["hits"] == 0 and first["saved"] == 0.0
     assert first["loaded"] == 0 and first["kept"] == 5 and first["read"] == 0
     assert first["ahead"] == 0  # no run before it listed programs
     assert min(first["stages"]) > 0
-    entries = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
-    assert len(entries - {executables.SUBDIRECTORY}) >= 2  # each program written once
+    kept = cache / executables.SUBDIRECTORY
+    assert len(list(kept.glob(f"*{executables.SUFFIX}"))) >= 5  # each program written once
 
     second = _train(tmp_path / "second", digits_dir, cache)
     assert second["written"] == 0, "the second run compiled a program the first had written"
