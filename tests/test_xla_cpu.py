@@ -56,3 +56,45 @@ def test_the_flags_reach_xla_and_the_users_own_win():
     assert theirs == {"xla_flags": user, "ynn": True}
     off = probe(**{xla_cpu.SWITCH: "0"})
     assert off["xla_flags"] == ""
+
+
+# A fresh process that imports jax, then attnjax, and calls a program with 128 MiB of temporary
+# buffers twelve times: the median of the page faults of each call after the first four (the heap
+# grows over a few calls), and the malloc settings made.
+FAULTS = r"""
+import json, resource, statistics
+import jax, jax.numpy as jnp
+import attnjax
+from attnjax import xla_cpu
+step = jax.jit(lambda x: jnp.tanh(jnp.outer(x, x) * 2.0).sum(0) + jnp.cos(jnp.outer(x, x)).sum(1))
+x = jnp.linspace(0.0, 1.0, 4096)
+faults = []
+for _ in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(step(x))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": statistics.median(faults[4:]), "malloc": xla_cpu.malloc_in_effect()}))
+"""
+
+
+def faults_per_call(**env) -> dict:
+    base = {k: v for k, v in os.environ.items() if k != xla_cpu.MALLOC_SWITCH}
+    run = subprocess.run(
+        [sys.executable, "-c", FAULTS],
+        env={**base, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_programs_freed_memory_is_reused_not_faulted_in_again():
+    kept = faults_per_call()
+    default = faults_per_call(**{xla_cpu.MALLOC_SWITCH: "0"})
+    assert kept["malloc"] == {"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
+    assert default["malloc"] == {}
+    # glibc's defaults map each large block afresh: every call faults its 4096 x 4096 floats in.
+    assert default["faults"] > 2 * 4096 * 4096 * 4 / 4096 / 2
+    assert kept["faults"] < default["faults"] / 20

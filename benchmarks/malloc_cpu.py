@@ -1,0 +1,142 @@
+"""glibc's malloc as attnjax sets it (``attnjax.xla_cpu.keep_freed_memory``) against its
+defaults, on ``compare_torch.py``'s training rows.
+
+    python benchmarks/malloc_cpu.py [--rows mha,gpt_train] [--rounds 2] [--repeats 7]
+
+Each setting runs in fresh processes, alternating (``ATTNJAX_CPU_MALLOC=1``, then ``=0``, for
+``--rounds`` rounds), every row in each: the median step of attnjax and of torch (in the same
+process, so under the same malloc), and per attnjax step the page faults and the kernel time
+(``getrusage``). Writes benchmarks/results/malloc_cpu.{json,md} with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+from attnjax.ops.platform import cpu_cores, processor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TRAINING_ROWS = (
+    "sdpa_1024,mha,vit_cifar_train,vit_ti16_train,vqgan_autoencoder,gpt_train,vqgan_gan_step"
+)
+SETTINGS = {"kept": "1", "glibc's defaults": "0"}
+
+# One process: every row's attnjax step and torch step, and the attnjax step's faults and kernel
+# time per call.
+PROCESS = r"""
+import json, resource, sys, tempfile
+sys.path.insert(0, "benchmarks")
+import compare_torch
+from timing import median_seconds
+from attnjax import xla_cpu
+
+rows, repeats = sys.argv[1].split(","), int(sys.argv[2])
+compare_torch.use_devices(0)
+compare_torch.torch.set_num_threads(compare_torch.os.cpu_count())
+results = {}
+with tempfile.TemporaryDirectory() as directory:
+    table = compare_torch.rows(False, directory)
+    for name in rows:
+        description, jax_step, torch_step = table[name]()
+        jax_step(), jax_step(), torch_step()  # warm-up (the heap grows over the first calls)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        jax_ms = 1e3 * median_seconds(jax_step, repeats)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        torch_ms = 1e3 * median_seconds(torch_step, repeats)
+        results[name] = dict(
+            workload=description,
+            attnjax_ms=jax_ms,
+            torch_ms=torch_ms,
+            faults_per_step=(after.ru_minflt - before.ru_minflt) / repeats,
+            kernel_s_per_step=(after.ru_stime - before.ru_stime) / repeats,
+        )
+print(json.dumps({"malloc": xla_cpu.malloc_in_effect(), "rows": results}))
+"""
+
+
+def run(rows: str, repeats: int, switch: str) -> dict:
+    env = {**os.environ, "ATTNJAX_CPU_MALLOC": switch, "JAX_PLATFORMS": "cpu"}
+    env.pop("GLIBC_TUNABLES", None)
+    done = subprocess.run(
+        [sys.executable, "-c", PROCESS, rows, str(repeats)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"malloc_cpu: the process with ATTNJAX_CPU_MALLOC={switch} failed:\n"
+            + done.stderr[-3000:]
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(runs: dict, machine: dict) -> str:
+    names = list(next(iter(runs.values()))[0]["rows"])
+    lines = [
+        f"Machine: {machine['processor']}, {machine['cores']} cores; {machine['rounds']} rounds "
+        "of fresh processes, the settings alternating; a cell lists each round's median step.",
+        "",
+        "| row | attnjax ms, kept | attnjax ms, glibc's | faults / step, kept | faults / step, "
+        "glibc's | kernel s / step, kept | kernel s / step, glibc's | torch ms, kept | "
+        "torch ms, glibc's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+
+        def cells(key, fmt):
+            return [
+                ", ".join(fmt.format(r["rows"][name][key]) for r in runs[setting])
+                for setting in SETTINGS
+            ]
+
+        ms = cells("attnjax_ms", "{:.0f}")
+        faults = cells("faults_per_step", "{:.0f}")
+        kernel = cells("kernel_s_per_step", "{:.2f}")
+        torch_ms = cells("torch_ms", "{:.0f}")
+        workload = runs["kept"][0]["rows"][name]["workload"]
+        lines.append(f"| {workload} | " + " | ".join([*ms, *faults, *kernel, *torch_ms]) + " |")
+    lines += ["", "Kept over glibc's defaults, attnjax's step time (median over rounds):", ""]
+    for name in names:
+        kept = statistics.median(r["rows"][name]["attnjax_ms"] for r in runs["kept"])
+        default = statistics.median(r["rows"][name]["attnjax_ms"] for r in runs["glibc's defaults"])
+        lines.append(f"- {runs['kept'][0]['rows'][name]['workload']}: {default / kept:.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", default=TRAINING_ROWS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=str(RESULTS / "malloc_cpu.json"))
+    args = parser.parse_args()
+    runs = {setting: [] for setting in SETTINGS}
+    for round_ in range(args.rounds):
+        for setting, switch in SETTINGS.items():
+            result = run(args.rows, args.repeats, switch)
+            runs[setting].append(result)
+            print(f"round {round_ + 1}, {setting}: {json.dumps(result['rows'])}", flush=True)
+    machine = dict(processor=processor(), cores=cpu_cores(), rounds=args.rounds)
+    out = pathlib.Path(args.out)
+    out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=2))
+    text = table(runs, machine)
+    out.with_suffix(".md").write_text(
+        "# glibc's malloc, kept or as default, on CPU\n\n" + text + "\n"
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
