@@ -9,13 +9,15 @@ used a device before importing attnjax keeps the flags it started with. The meas
 each flag, per operation family and jaxlib: benchmarks/results/xla_cpu_flags.md
 (``benchmarks/xla_cpu_flags.py``).
 
-It also keeps the memory a compiled program frees for its next call (``keep_freed_memory``):
-XLA:CPU allocates each call's temporary buffers with ``malloc`` and frees them when it returns,
-and glibc by default hands large blocks back to the kernel at once (``munmap``, or trimming the
-heap's top), so every training step faulted its whole working memory in again: 34,000 page
-faults per MHA step, 330,000 per GPT step, 0.6 s of kernel time in a 1.75 s step. One malloc
-arena that neither maps nor trims reuses the blocks instead (benchmarks/results/malloc_cpu.md);
-``ATTNJAX_CPU_MALLOC=0`` leaves glibc's defaults.
+With ``ATTNJAX_CPU_MALLOC=1`` it also keeps the memory a compiled program frees for its next
+call (``keep_freed_memory``): XLA:CPU allocates each call's temporary buffers in one ``malloc``
+and frees them when it returns, and glibc by default maps such a block afresh and unmaps it at
+``free``, so every training step faults its whole working memory in again (39,700 page faults
+per MHA step, 317,000 per GPT step). One malloc arena that neither maps nor trims reuses the
+pages: MHA 1.41x and ViT cifar 1.15x faster, but convolution steps 0.93-0.98x, and slower still
+late in a long process that ran other programs before (the GAN step 0.68x), as every thread's
+mid-sized blocks then go through one fragmented heap (benchmarks/results/malloc_cpu.md). So it
+is not the default.
 
 This module reads versions from package metadata and never imports jax, so that it can run
 before jax does.
@@ -59,7 +61,8 @@ def configure() -> list[str]:
     already)."""
     if _backend_started():
         return []
-    keep_freed_memory()
+    if os.environ.get(MALLOC_SWITCH, "0") == "1":
+        keep_freed_memory()
     if os.environ.get(SWITCH, "1") == "0":
         return []
     before = os.environ.get("XLA_FLAGS", "")
@@ -70,9 +73,9 @@ def configure() -> list[str]:
 
 def keep_freed_memory() -> dict[str, int]:
     """Sets glibc's malloc to keep the blocks a process frees for its next allocations (see the
-    module's docstring) -> the settings in effect, ``{}`` where ``$ATTNJAX_CPU_MALLOC`` is ``0``
-    or the C library is not glibc. Call it before XLA starts its threads."""
-    if os.environ.get(MALLOC_SWITCH, "1") == "0" or platform.libc_ver()[0] != "glibc":
+    module's docstring) -> the settings in effect, ``{}`` where the C library is not glibc. Call
+    it before XLA starts its threads (``import attnjax`` does, with ``ATTNJAX_CPU_MALLOC=1``)."""
+    if platform.libc_ver()[0] != "glibc":
         return dict(_malloc_kept)
     if not _malloc_kept:
         mallopt = ctypes.CDLL(None).mallopt
