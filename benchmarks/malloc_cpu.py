@@ -1,12 +1,15 @@
-"""glibc's malloc as attnjax sets it (``attnjax.xla_cpu.keep_freed_memory``) against its
-defaults, on ``compare_torch.py``'s training rows.
+"""glibc's malloc set to keep the memory a process frees (one arena, no block mapped on its own,
+no trimming below 2 GiB) against its defaults, on ``compare_torch.py``'s training rows.
 
     python benchmarks/malloc_cpu.py [--rows mha,gpt_train] [--rounds 2] [--repeats 7]
 
-Each setting runs in fresh processes, alternating (``ATTNJAX_CPU_MALLOC=1``, then ``=0``, for
-``--rounds`` rounds), every row in each: the median step of attnjax and of torch (in the same
-process, so under the same malloc), and per attnjax step the page faults and the kernel time
-(``getrusage``). Writes benchmarks/results/malloc_cpu.{json,md} with the machine.
+XLA:CPU allocates each call's temporary buffers in one ``malloc`` and frees them when it returns;
+glibc by default maps such a block afresh and unmaps it at ``free``, so each step faults its
+working memory in again. The kept setting is glibc's own tunables (``GLIBC_TUNABLES``, read when
+a process starts). Each setting runs in fresh processes, alternating (kept, then glibc's
+defaults, for ``--rounds`` rounds), every row in each: the median step of attnjax and of torch
+(in the same process, so under the same malloc), and per attnjax step the page faults and the
+kernel time (``getrusage``). Writes benchmarks/results/malloc_cpu.{json,md} with the machine.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 TRAINING_ROWS = (
     "sdpa_1024,mha,vit_cifar_train,vit_ti16_train,vqgan_autoencoder,gpt_train,vqgan_gan_step"
 )
-SETTINGS = {"kept": "1", "glibc's defaults": "0"}
+KEPT = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+SETTINGS = {"kept": KEPT, "glibc's defaults": ""}
 
 # One process: every row's attnjax step and torch step, and the attnjax step's faults and kernel
 # time per call.
@@ -35,7 +39,6 @@ import json, resource, sys, tempfile
 sys.path.insert(0, "benchmarks")
 import compare_torch
 from timing import median_seconds
-from attnjax import xla_cpu
 
 rows, repeats = sys.argv[1].split(","), int(sys.argv[2])
 compare_torch.use_devices(0)
@@ -57,13 +60,12 @@ with tempfile.TemporaryDirectory() as directory:
             faults_per_step=(after.ru_minflt - before.ru_minflt) / repeats,
             kernel_s_per_step=(after.ru_stime - before.ru_stime) / repeats,
         )
-print(json.dumps({"malloc": xla_cpu.malloc_in_effect(), "rows": results}))
+print(json.dumps({"rows": results}))
 """
 
 
-def run(rows: str, repeats: int, switch: str) -> dict:
-    env = {**os.environ, "ATTNJAX_CPU_MALLOC": switch, "JAX_PLATFORMS": "cpu"}
-    env.pop("GLIBC_TUNABLES", None)
+def run(rows: str, repeats: int, tunables: str) -> dict:
+    env = {**os.environ, "GLIBC_TUNABLES": tunables, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-c", PROCESS, rows, str(repeats)],
         cwd=ROOT,
@@ -74,7 +76,7 @@ def run(rows: str, repeats: int, switch: str) -> dict:
     )
     if done.returncode != 0:
         raise RuntimeError(
-            f"malloc_cpu: the process with ATTNJAX_CPU_MALLOC={switch} failed:\n"
+            f"malloc_cpu: the process with GLIBC_TUNABLES={tunables!r} failed:\n"
             + done.stderr[-3000:]
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,8 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = {setting: [] for setting in SETTINGS}
     for round_ in range(args.rounds):
-        for setting, switch in SETTINGS.items():
-            result = run(args.rows, args.repeats, switch)
+        for setting, tunables in SETTINGS.items():
+            result = run(args.rows, args.repeats, tunables)
             runs[setting].append(result)
             print(f"round {round_ + 1}, {setting}: {json.dumps(result['rows'])}", flush=True)
     machine = dict(processor=processor(), cores=cpu_cores(), rounds=args.rounds)

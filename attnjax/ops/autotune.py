@@ -14,9 +14,8 @@ for: inside ``timing_window()`` (the training loop opens one around its first st
 evaluation: the programs it will run thousands of times) and in ``python -m attnjax.ops.warm``,
 ahead of time. Anywhere else a choice is read from the cache or, for a class never timed, is its
 ``default``, untimed: a new shape costs nothing. Choices run at trace time, outside the trace
-(``jax.ensure_compile_time_eval``), and are cached per processor, jax version, ``$XLA_FLAGS``,
-malloc setting (``attnjax.xla_cpu.keep_freed_memory``) and key in
-``$ATTNJAX_CPU_AUTOTUNE_CACHE`` (default ``~/.cache/attnjax/cpu_rules.json``).
+(``jax.ensure_compile_time_eval``), and are cached per processor, jax version, ``$XLA_FLAGS``
+and key in ``$ATTNJAX_CPU_AUTOTUNE_CACHE`` (default ``~/.cache/attnjax/cpu_rules.json``).
 
 ``$ATTNJAX_CPU_AUTOTUNE``: ``0`` (or ``set_enabled(False)``) makes every choice its ``default``,
 cache or not, so runs and tests that need the same program on every machine get it; ``always``
@@ -102,12 +101,9 @@ def cache_path() -> pathlib.Path:
 
 def cache_key(rule: str, key: str) -> str:
     # The XLA flags choose XLA's own kernels (attnjax.xla_cpu): a choice timed against one set
-    # says nothing of another. Nor does one timed while each call faulted its buffers in again
-    # (glibc's malloc as default) say much where freed memory is kept: the path with the larger
-    # buffers paid more there.
+    # says nothing of another.
     flags = " ".join(sorted(xla_cpu.in_effect().split())) or "no XLA flags"
-    malloc = "freed memory kept" if xla_cpu.malloc_in_effect() else "glibc's malloc"
-    return f"{rule} | {processor()} | jax {jax.__version__} | {flags} | {malloc} | {key}"
+    return f"{rule} | {processor()} | jax {jax.__version__} | {flags} | {key}"
 
 
 def _read(path: pathlib.Path) -> dict:

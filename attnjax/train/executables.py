@@ -15,11 +15,12 @@ decides the program before any tracing:
 
 An entry is ``jax.experimental.serialize_executable``'s executable with its argument and result
 trees and the devices it was compiled for, written under a private name and renamed (concurrent
-runs see whole entries or none); an unreadable one is compiled again and replaced. A program
+runs see whole entries or none); an unreadable one is compiled again and replaced. A CPU program
 missing here is compiled past JAX's persistent cache, which it neither reads nor writes: XLA:CPU
 serialises an executable read back from that cache without its code, so one found there could not
 be kept, and every later run of a config whose programs another run had compiled (one differing
-only in ``log_every``, or after an edit of attnjax) would trace them again. A model's
+only in ``log_every``, or after an edit of attnjax) would trace them again. On other platforms a
+program JAX's cache answered is not kept. A model's
 initialisation keeps its outputs too (``memoized``), keyed by the same and by its arguments'
 values: a repeated run reads its initial parameters instead of loading and running the program
 (warm first steps in benchmarks/results/first_step.md). Each run lists the programs it used
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
@@ -129,13 +131,8 @@ def _signature(args) -> str:
     def leaf(x):
         sharding = getattr(x, "sharding", None)
         dtype = str(getattr(x, "dtype", type(x).__name__))
-        weak = getattr(x, "weak_type", False)
-        return [
-            list(getattr(x, "shape", ())),
-            dtype,
-            weak,
-            None if sharding is None else repr(sharding),
-        ]
+        weak, shape = getattr(x, "weak_type", False), list(getattr(x, "shape", ()))
+        return [shape, dtype, weak, None if sharding is None else repr(sharding)]
 
     leaves, tree = jax.tree.flatten(args)
     # Host arrays are placed on the default device: a program for another is another program.
@@ -270,12 +267,15 @@ class ExecutableCache:
             if listed:
                 self._list(path.name)
             return loaded
-        lowered = jitted.lower(*args)
-        # Not from JAX's own cache: XLA:CPU serialises an executable it read back without its
-        # code (loading it fails with "Function ... not found"). Compiled here, it is kept, and
-        # JAX's cache needs no copy of it.
-        with compilation_cache.bypassed():
+        lowered, hits = jitted.lower(*args), compilation_cache.counts()["hits"]
+        # XLA:CPU serialises an executable read back from JAX's own cache without its code
+        # (loading it fails with "Function ... not found"): a CPU program is compiled past that
+        # cache, to be kept. Elsewhere, where compiling takes far longer, the cache may answer.
+        cpu = (_platform(args) or jax.default_backend()) == "cpu"
+        with compilation_cache.bypassed() if cpu else contextlib.nullcontext():
             compiled = lowered.compile()
+        if compilation_cache.counts()["hits"] > hits:
+            return compiled  # not kept: as above, not known to load back
         if self._store(path, compiled) and listed:
             self._list(path.name)
         return compiled

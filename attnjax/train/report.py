@@ -90,7 +90,6 @@ def record_environment(workdir: str, step: int) -> dict:
         "jax": compat.version("jax"),
         "jaxlib": compat.version("jaxlib"),
         "xla_flags": xla_cpu.in_effect(),
-        "malloc": xla_cpu.malloc_in_effect(),
     }
     storage.append_text(storage.join(workdir, "environment.jsonl"), json.dumps(record) + "\n")
     return record

@@ -107,9 +107,10 @@ def test_vit_rate_and_mfu_follow_from_its_steps_and_the_hand_counted_flops(resul
     vit, predicted = result["parts"]["vit"], result["parts"]["vit_predicted"]
     measured = vit["measured"]
     check_training(measured)
-    # The first process compiled the train step: the persistent cache, empty, answered nothing.
+    # The first process compiled the train step and kept it, past JAX's persistent cache (on a
+    # CPU, whose executables read back from that cache cannot be kept).
     first = measured["first_step"]
-    assert (first["cache_hits"], first["cache_misses"], first["kept_written"]) == (0, 1, 1)
+    assert (first["cache_hits"], first["cache_misses"], first["kept_written"]) == (0, 0, 1)
     per_image = vit_train_flops(vit["model"])
     assert measured["flops_per_step"] == measured["batch_size"] * per_image
     # The compile command counts the same products; its peak is the CPU's matrix product timed
@@ -160,7 +161,7 @@ def test_second_process_loads_the_first_steps_the_first_one_kept(result):
         assert first["tracing"] < cold["tracing"], name
     # Another learning rate: a new program, compiled (its key, the config, changed).
     new = part["new_program"]["first_step"]
-    assert (new["kept_loaded"], new["cache_hits"], new["cache_misses"]) == (0, 0, 1)
+    assert (new["kept_loaded"], new["cache_hits"], new["kept_written"]) == (0, 0, 1)
     assert part["new_program"]["task"] == "classification"
 
 
