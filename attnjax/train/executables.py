@@ -20,18 +20,17 @@ missing here is compiled past JAX's persistent cache, which it neither reads nor
 serialises an executable read back from that cache without its code, so one found there could not
 be kept, and every later run of a config whose programs another run had compiled (one differing
 only in ``log_every``, or after an edit of attnjax) would trace them again. On other platforms a
-program JAX's cache answered is not kept. A model's
-initialisation keeps its outputs too (``memoized``), keyed by the same and by its arguments'
-values: a repeated run reads its initial parameters instead of loading and running the program
-(warm first steps in benchmarks/results/first_step.md). Each run lists the programs it used
-(``read_ahead``), and the next run of the same config starts loading them on a thread before it
-needs them, while it reads its data and builds its initial state. Entries are read by the one
-process of a single-process run; a multi-process run compiles as without them. The directory:
-``$ATTNJAX_EXECUTABLE_CACHE`` (``off``, ``0``, ``false`` or ``no`` turns it off), else
-``attnjax-executables/`` inside the compilation cache's directory (``~/.cache/attnjax/jax`` by
-default; none where the compilation cache is off). It keeps at most
-``$ATTNJAX_EXECUTABLE_CACHE_MAX_GB`` (default 2) GiB, the least recently used entries removed
-first.
+program JAX's cache answered is not kept. A model's initialisation keeps its outputs too
+(``memoized``), keyed by the same and by its arguments' values: a repeated run reads its initial
+parameters instead of loading and running the program (warm first steps in
+benchmarks/results/first_step.md). Each run lists the programs it used (``read_ahead``), and the
+next run of the same config starts loading them on a thread before it needs them, while it reads
+its data and builds its initial state. Entries are read by the one process of a single-process run;
+a multi-process run compiles as without them. The directory: ``$ATTNJAX_EXECUTABLE_CACHE``
+(``off``, ``0``, ``false`` or ``no`` turns it off), else ``attnjax-executables/`` inside the
+compilation cache's directory (``~/.cache/attnjax/jax`` by default; none where the compilation
+cache is off). It keeps at most ``$ATTNJAX_EXECUTABLE_CACHE_MAX_GB`` (default 2) GiB, the least
+recently used entries removed first.
 """
 
 from __future__ import annotations
