@@ -258,8 +258,8 @@ class ExecutableCache:
     def _program(self, name: str, jitted: Callable, args, signature: str, listed: bool):
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
         path = self.directory / f"{name}-{key[:32]}{SUFFIX}"
-        start = time.perf_counter()
-        loaded = self._load(path, args)
+        start, platform = time.perf_counter(), _platform(args) or jax.default_backend()
+        loaded = self._load(path, args, platform)
         if loaded is not None:
             _counts["loaded"] += 1
             _counts["load_seconds"] += time.perf_counter() - start
@@ -270,8 +270,7 @@ class ExecutableCache:
         # XLA:CPU serialises an executable read back from JAX's own cache without its code
         # (loading it fails with "Function ... not found"): a CPU program is compiled past that
         # cache, to be kept. Elsewhere, where compiling takes far longer, the cache may answer.
-        cpu = (_platform(args) or jax.default_backend()) == "cpu"
-        with compilation_cache.bypassed() if cpu else contextlib.nullcontext():
+        with compilation_cache.bypassed() if platform == "cpu" else contextlib.nullcontext():
             compiled = lowered.compile()
         if compilation_cache.counts()["hits"] > hits:
             return compiled  # not kept: as above, not known to load back
@@ -279,8 +278,7 @@ class ExecutableCache:
             self._list(path.name)
         return compiled
 
-    def _load(self, path: pathlib.Path, args):
-        platform = _platform(args) or jax.default_backend()
+    def _load(self, path: pathlib.Path, args, platform: str):
         ahead = _ahead.pop(str(path), None)
         try:
             read = ahead.result() if ahead is not None and not ahead.cancelled() else None
