@@ -34,6 +34,12 @@ import os
 import pathlib
 import time
 
+if __name__ == "__main__":
+    from attnjax import huge_pages
+
+    # First: glibc reads its tunables only when a process starts.
+    huge_pages.restart_with_huge_pages()
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax  # noqa: E402

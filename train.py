@@ -17,7 +17,13 @@ step: requeue, rerunning the same command continues (``attnjax/preemption.py``).
 
 import sys
 
-from attnjax.train import collector
+if __name__ == "__main__":
+    from attnjax import huge_pages
+
+    # First: glibc reads its tunables only when a process starts.
+    huge_pages.restart_with_huge_pages()
+
+from attnjax.train import collector  # noqa: E402
 
 # Before jax, Flax, Orbax and grain are imported: at Python's default thresholds their imports
 # alone run several full collections, about 0.1 s of every start.

@@ -21,16 +21,22 @@ import pathlib
 import resource
 import tempfile
 
-import jax
-import numpy as np
-import torch
-from rows_transformers import gpt_sample, gpt_train, mha, sdpa, vit_row
-from rows_vqgan import vqgan_autoencoder, vqgan_gan_step
-from timing import median_seconds
-from torch_vs_jax import add_cpu_devices_flag, device, use_devices
+if __name__ == "__main__":
+    from attnjax import huge_pages
 
-from attnjax.convert.common import make_torchvision_importable
-from attnjax.ops.platform import processor
+    # As train.py starts (both sides of a row share the process, so torch runs under it too).
+    huge_pages.restart_with_huge_pages()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from rows_transformers import gpt_sample, gpt_train, mha, sdpa, vit_row  # noqa: E402
+from rows_vqgan import vqgan_autoencoder, vqgan_gan_step  # noqa: E402
+from timing import median_seconds  # noqa: E402
+from torch_vs_jax import add_cpu_devices_flag, device, use_devices  # noqa: E402
+
+from attnjax.convert.common import make_torchvision_importable  # noqa: E402
+from attnjax.ops.platform import processor  # noqa: E402
 
 make_torchvision_importable()  # timm and lpips import torchvision
 
@@ -66,6 +72,7 @@ def machine() -> dict:
         "jax_device": jax.devices()[0].device_kind,
         "jax_device_count": jax.device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         "torch": torch.__version__,
         "torch_device": device() if device() == "cpu" else torch.cuda.get_device_name(),
     }

@@ -1,15 +1,18 @@
-"""glibc's malloc set to keep the memory a process frees (one arena, no block mapped on its own,
-no trimming below 2 GiB) against its defaults, on ``compare_torch.py``'s training rows.
+"""glibc's malloc as attnjax's commands start it (huge pages: ``glibc.malloc.hugetlb=1``), and set
+to keep the memory a process frees (one arena, no block mapped on its own, no trimming below
+2 GiB), each against glibc's defaults, on ``compare_torch.py``'s training rows.
 
     python benchmarks/malloc_cpu.py [--rows mha,gpt_train] [--rounds 2] [--repeats 7]
 
 XLA:CPU allocates each call's temporary buffers in one ``malloc`` and frees them when it returns;
 glibc by default maps such a block afresh and unmaps it at ``free``, so each step faults its
-working memory in again. The kept setting is glibc's own tunables (``GLIBC_TUNABLES``, read when
-a process starts). Each setting runs in fresh processes, alternating (kept, then glibc's
-defaults, for ``--rounds`` rounds), every row in each: the median step of attnjax and of torch
-(in the same process, so under the same malloc), and per attnjax step the page faults and the
-kernel time (``getrusage``). Writes benchmarks/results/malloc_cpu.{json,md} with the machine.
+working memory in again, 4 KiB at a time. Huge pages fault the same memory in 2 MiB at a time
+(``attnjax/huge_pages.py``); the kept setting faults it in once. Both are glibc's own tunables
+(``GLIBC_TUNABLES``, read when a process starts). Each setting runs in fresh processes,
+alternating (huge pages, kept, glibc's defaults, for ``--rounds`` rounds), every row in each:
+the median step of attnjax and of torch (in the same process, so under the same malloc), and
+per attnjax step the page faults and the kernel time (``getrusage``). Writes
+benchmarks/results/malloc_cpu.{json,md} with the machine.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ TRAINING_ROWS = (
     "sdpa_1024,mha,vit_cifar_train,vit_ti16_train,vqgan_autoencoder,gpt_train,vqgan_gan_step"
 )
 KEPT = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
-SETTINGS = {"kept": KEPT, "glibc's defaults": ""}
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+SETTINGS = {"huge pages": HUGE_PAGES, "kept": KEPT, "glibc's defaults": ""}
+BASELINE = "glibc's defaults"
 
 # One process: every row's attnjax step and torch step, and the attnjax step's faults and kernel
 # time per call.
@@ -83,35 +88,49 @@ def run(rows: str, repeats: int, tunables: str) -> dict:
 
 
 def table(runs: dict, machine: dict) -> str:
-    names = list(next(iter(runs.values()))[0]["rows"])
+    names = list(runs[BASELINE][0]["rows"])
+    short = {"huge pages": "huge", "kept": "kept", BASELINE: "glibc's"}
+    columns = [
+        ("attnjax ms", "attnjax_ms", "{:.0f}"),
+        ("faults / step", "faults_per_step", "{:.0f}"),
+    ]
+    columns += [
+        ("kernel s / step", "kernel_s_per_step", "{:.2f}"),
+        ("torch ms", "torch_ms", "{:.0f}"),
+    ]
+    header = [f"{title}, {short[setting]}" for title, _, _ in columns for setting in SETTINGS]
     lines = [
         f"Machine: {machine['processor']}, {machine['cores']} cores; {machine['rounds']} rounds "
         "of fresh processes, the settings alternating; a cell lists each round's median step.",
         "",
-        "| row | attnjax ms, kept | attnjax ms, glibc's | faults / step, kept | faults / step, "
-        "glibc's | kernel s / step, kept | kernel s / step, glibc's | torch ms, kept | "
-        "torch ms, glibc's |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | " + " | ".join(header) + " |",
+        "|---|" + "---|" * len(header),
     ]
     for name in names:
+        cells = [
+            ", ".join(fmt.format(r["rows"][name][key]) for r in runs[setting])
+            for _, key, fmt in columns
+            for setting in SETTINGS
+        ]
+        workload = runs[BASELINE][0]["rows"][name]["workload"]
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
 
-        def cells(key, fmt):
-            return [
-                ", ".join(fmt.format(r["rows"][name][key]) for r in runs[setting])
-                for setting in SETTINGS
-            ]
+    def median_ms(setting, name):
+        return statistics.median(r["rows"][name]["attnjax_ms"] for r in runs[setting])
 
-        ms = cells("attnjax_ms", "{:.0f}")
-        faults = cells("faults_per_step", "{:.0f}")
-        kernel = cells("kernel_s_per_step", "{:.2f}")
-        torch_ms = cells("torch_ms", "{:.0f}")
-        workload = runs["kept"][0]["rows"][name]["workload"]
-        lines.append(f"| {workload} | " + " | ".join([*ms, *faults, *kernel, *torch_ms]) + " |")
-    lines += ["", "Kept over glibc's defaults, attnjax's step time (median over rounds):", ""]
+    others = [setting for setting in SETTINGS if setting != BASELINE]
+    lines += [
+        "",
+        "attnjax's step, glibc's defaults over each setting (median over rounds; above 1: faster):",
+        "",
+        "| row | " + " | ".join(others) + " |",
+        "|---|" + "---|" * len(others),
+    ]
     for name in names:
-        kept = statistics.median(r["rows"][name]["attnjax_ms"] for r in runs["kept"])
-        default = statistics.median(r["rows"][name]["attnjax_ms"] for r in runs["glibc's defaults"])
-        lines.append(f"- {runs['kept'][0]['rows'][name]['workload']}: {default / kept:.2f}x")
+        ratios = [f"{median_ms(BASELINE, name) / median_ms(s, name):.2f}x" for s in others]
+        lines.append(
+            f"| {runs[BASELINE][0]['rows'][name]['workload']} | " + " | ".join(ratios) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -135,7 +154,7 @@ def main() -> None:
     out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=2))
     text = table(runs, machine)
     out.with_suffix(".md").write_text(
-        "# glibc's malloc, kept or as default, on CPU\n\n" + text + "\n"
+        "# glibc's malloc on huge pages, kept, or as default, on CPU\n\n" + text + "\n"
     )
     print(text)
 

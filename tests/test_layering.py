@@ -5,6 +5,7 @@ above (the table below is checked against ``PACKAGES``):
 
     0  attnjax.compat     what moved between the JAX releases attnjax supports
     0  attnjax.xla_cpu    XLA:CPU's flags for speed, set before the backend starts
+    0  attnjax.huge_pages how commands start: large host blocks on transparent huge pages
     0  attnjax.storage    a run's files on a local disk or in a gs:// bucket, one path type
     0  attnjax.ops        pure functions: attention and its kernels, masks, positional
                           encodings, convolution, losses
@@ -38,6 +39,7 @@ PACKAGE = ROOT / "attnjax"
 PACKAGES = (  # (package, layer, what it holds), bottom to top
     ("attnjax.compat", 0, "what moved between the JAX releases attnjax supports"),
     ("attnjax.xla_cpu", 0, "XLA:CPU's flags for speed, set before the backend starts"),
+    ("attnjax.huge_pages", 0, "how commands start: large host blocks on transparent huge pages"),
     ("attnjax.storage", 0, "a run's files on a local disk or in a gs:// bucket, one path type"),
     (
         "attnjax.ops",

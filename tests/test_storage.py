@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_vit_flags
 
-from attnjax import storage
+from attnjax import huge_pages, storage
 from attnjax.train import checkpoint, preemption, workdir_lock
 
 
@@ -214,6 +214,9 @@ def test_a_bucket_run_stopped_killed_and_resumed_on_new_hosts_equals_an_unbroken
     assert train_steps == list(range(10, STEPS + 1, 10))  # each step once after the restarts
     starts = storage.read_text(storage.join(workdir, "environment.jsonl")).splitlines()
     assert [json.loads(line)["step"] for line in starts][0] == 0 and len(starts) == 3
+    for line in starts:  # each train.py start restarted itself under huge pages where they help
+        tunables = json.loads(line)["glibc_tunables"]
+        assert ("glibc.malloc.hugetlb=1" in tunables) == huge_pages.available(), tunables
     names = storage.listdir(workdir)
     for name in ("config.json", "curves.png", "eval_images.png", "tensorboard"):
         assert name in names, names

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 
-from attnjax import compat, storage, xla_cpu
+from attnjax import compat, huge_pages, storage, xla_cpu
 from attnjax.data import images
 from attnjax.ops.platform import processor
 from attnjax.train import events
@@ -81,8 +81,8 @@ def read_metrics(workdir: str) -> list[dict]:
 
 def record_environment(workdir: str, step: int) -> dict:
     """Appends what this start of the run computes with (processor, JAX versions, the XLA flags
-    in effect) to ``workdir/environment.jsonl``, a line per start, so that the figures of a
-    resumed run can be traced to each process that made them -> the record."""
+    in effect, glibc's tunables) to ``workdir/environment.jsonl``, a line per start, so that the
+    figures of a resumed run can be traced to each process that made them -> the record."""
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": int(step),
@@ -90,6 +90,7 @@ def record_environment(workdir: str, step: int) -> dict:
         "jax": compat.version("jax"),
         "jaxlib": compat.version("jaxlib"),
         "xla_flags": xla_cpu.in_effect(),
+        "glibc_tunables": huge_pages.in_effect(),
     }
     storage.append_text(storage.join(workdir, "environment.jsonl"), json.dumps(record) + "\n")
     return record
