@@ -1,20 +1,29 @@
 """Large host blocks backed by transparent huge pages: how attnjax's commands start on Linux.
 
-XLA:CPU allocates each call's temporary buffers in one ``malloc`` and frees them when the call
-returns; glibc maps a block that large afresh and unmaps it at ``free``, so every step faults
-its working memory in again, 4 KiB at a time. Where the kernel gives transparent huge pages on
-request (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``, the usual default),
-glibc's tunable ``glibc.malloc.hugetlb=1`` asks for them on every block it maps, and the same
-memory faults in 2 MiB at a time: the training steps measured run faster or the same, none
-slower (benchmarks/results/malloc_cpu.md, ``benchmarks/malloc_cpu.py``). Numbers are unchanged:
-only where the pages come from differs.
+XLA:CPU allocates each call's temporary buffers with ``malloc`` and frees them when the call
+returns. glibc maps a block that large afresh and unmaps it at ``free``, and hands the top of
+its heaps back to the kernel, so every step faults its working memory in again, 4 KiB at a
+time. Where the kernel gives transparent huge pages on request
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``, the usual default), commands
+start with three glibc tunables (``TUNABLES``):
+
+- ``glibc.malloc.hugetlb=1``: every block glibc maps asks for huge pages, so it faults in
+  2 MiB at a time;
+- ``glibc.malloc.mmap_threshold=33554432``: blocks below 32 MiB (glibc's largest dynamic
+  threshold) come from the heaps, reused from call to call;
+- ``glibc.malloc.trim_threshold=2147483647``: a heap keeps its freed top below 2 GiB, which the
+  next step would fault in again. A process keeps its peak; it does not grow beyond it.
+
+Every training step measured runs faster or the same, none slower
+(benchmarks/results/malloc_cpu.md, ``benchmarks/malloc_cpu.py``). Numbers are unchanged: only
+where the pages come from differs.
 
 glibc reads its tunables once, when a process starts. A command therefore calls
 ``restart_with_huge_pages()`` first thing: where the setting would help and is not in effect,
 the process replaces itself (``exec``: same PID, same arguments, same standard streams) with
 ``GLIBC_TUNABLES`` extended; the restart costs one Python start and ``import attnjax``, about
 0.05 s. A library import never restarts anyone's process. ``ATTNJAX_HUGE_PAGES=0`` keeps glibc's
-defaults; a ``glibc.malloc.hugetlb`` the user sets keeps their value.
+defaults, and so does a ``GLIBC_TUNABLES`` that names any of the three (the user's malloc).
 
 Never imports jax: it runs before anything else is loaded.
 """
@@ -25,9 +34,13 @@ import os
 import sys
 
 SWITCH = "ATTNJAX_HUGE_PAGES"
-TUNABLE = "glibc.malloc.hugetlb"
+TUNABLES = {
+    "glibc.malloc.hugetlb": "1",
+    "glibc.malloc.mmap_threshold": str(32 << 20),
+    "glibc.malloc.trim_threshold": str(2**31 - 1),
+}
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
-# The first glibc that knows the tunable.
+# The first glibc that knows glibc.malloc.hugetlb.
 GLIBC_WITH_TUNABLE = (2, 35)
 
 
@@ -54,12 +67,12 @@ def glibc_version() -> tuple[int, ...] | None:
 
 
 def tunables_with_huge_pages(tunables: str) -> str | None:
-    """``GLIBC_TUNABLES`` with ``glibc.malloc.hugetlb=1`` added, or None where it names the
-    tunable already (the user's value stands)."""
+    """``GLIBC_TUNABLES`` with ``TUNABLES`` added, or None where it names any of them already
+    (the user's malloc stands)."""
     entries = [entry for entry in tunables.split(":") if entry]
-    if any(entry.split("=", 1)[0] == TUNABLE for entry in entries):
+    if any(entry.split("=", 1)[0] in TUNABLES for entry in entries):
         return None
-    return ":".join([*entries, f"{TUNABLE}=1"])
+    return ":".join([*entries, *(f"{name}={value}" for name, value in TUNABLES.items())])
 
 
 def available() -> bool:
@@ -79,7 +92,7 @@ def wanted() -> str | None:
 
 
 def restart_with_huge_pages() -> None:
-    """Replaces this process with itself under ``glibc.malloc.hugetlb=1`` where ``wanted()``;
+    """Replaces this process with itself under ``TUNABLES`` where ``wanted()``;
     returns (doing nothing) otherwise. Call it before importing anything that starts threads."""
     tunables = wanted()
     if tunables is None:

@@ -1,4 +1,4 @@
-"""glibc's malloc as attnjax's commands start it (huge pages: ``glibc.malloc.hugetlb=1``), and set
+"""glibc's malloc as attnjax's commands start it (huge pages: ``attnjax/huge_pages.py``), and set
 to keep the memory a process frees (one arena, no block mapped on its own, no trimming below
 2 GiB), each against glibc's defaults, on ``compare_torch.py``'s training rows.
 
@@ -6,12 +6,12 @@ to keep the memory a process frees (one arena, no block mapped on its own, no tr
 
 XLA:CPU allocates each call's temporary buffers in one ``malloc`` and frees them when it returns;
 glibc by default maps such a block afresh and unmaps it at ``free``, so each step faults its
-working memory in again, 4 KiB at a time. Huge pages fault the same memory in 2 MiB at a time
-(``attnjax/huge_pages.py``); the kept setting faults it in once. Both are glibc's own tunables
-(``GLIBC_TUNABLES``, read when a process starts). Each setting runs in fresh processes,
-alternating (huge pages, kept, glibc's defaults, for ``--rounds`` rounds), every row in each:
-the median step of attnjax and of torch (in the same process, so under the same malloc), and
-per attnjax step the page faults and the kernel time (``getrusage``). Writes
+working memory in again, 4 KiB at a time. Huge pages fault the blocks from 32 MiB in 2 MiB at a
+time and keep smaller ones in the heaps; the kept setting keeps everything in one heap. Both
+are glibc's own tunables (``GLIBC_TUNABLES``, read when a process starts). Each setting runs in
+fresh processes, alternating (huge pages, kept, glibc's defaults, for ``--rounds`` rounds),
+every row in each: the median step of attnjax and of torch (in the same process, so under the
+same malloc), and per attnjax step the page faults and the kernel time (``getrusage``). Writes
 benchmarks/results/malloc_cpu.{json,md} with the machine.
 """
 
@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 
+from attnjax import huge_pages
 from attnjax.ops.platform import cpu_cores, processor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ TRAINING_ROWS = (
     "sdpa_1024,mha,vit_cifar_train,vit_ti16_train,vqgan_autoencoder,gpt_train,vqgan_gan_step"
 )
 KEPT = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+HUGE_PAGES = huge_pages.tunables_with_huge_pages("")
 SETTINGS = {"huge pages": HUGE_PAGES, "kept": KEPT, "glibc's defaults": ""}
 BASELINE = "glibc's defaults"
 

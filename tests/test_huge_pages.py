@@ -52,7 +52,8 @@ def test_a_command_restarts_once_under_huge_pages_where_the_machine_gives_them()
     if huge_pages.available():
         # Restarted: the second start saw the first's PID in the environment it inherited.
         assert got["first_pid"] == str(pid)
-        assert got["tunables"] == "glibc.malloc.hugetlb=1"
+        assert got["tunables"] == huge_pages.tunables_with_huge_pages("")
+        assert "glibc.malloc.hugetlb=1" in got["tunables"].split(":")
         assert got["huge_mib"] >= 32, got
     else:
         assert got["first_pid"] is None and got["tunables"] == ""
@@ -69,14 +70,19 @@ def test_switched_off_or_set_by_the_user_nothing_restarts():
     assert theirs["first_pid"] is None and theirs["tunables"] == "glibc.malloc.hugetlb=0"
 
 
-def test_the_tunable_is_added_to_the_users_own_and_never_replaces_theirs():
-    assert huge_pages.tunables_with_huge_pages("") == "glibc.malloc.hugetlb=1"
+def test_the_tunables_are_added_to_the_users_own_and_never_replace_theirs():
+    ours = (
+        "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:"
+        "glibc.malloc.trim_threshold=2147483647"
+    )
+    assert huge_pages.tunables_with_huge_pages("") == ours
     assert (
         huge_pages.tunables_with_huge_pages("glibc.malloc.arena_max=2")
-        == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+        == "glibc.malloc.arena_max=2:" + ours
     )
     assert huge_pages.tunables_with_huge_pages("glibc.malloc.hugetlb=0") is None
     assert huge_pages.tunables_with_huge_pages("glibc.malloc.hugetlb=2:x=1") is None
+    assert huge_pages.tunables_with_huge_pages("x=1:glibc.malloc.trim_threshold=0") is None
 
 
 def test_the_kernels_mode_is_read_from_its_bracket(tmp_path):
