@@ -7,10 +7,10 @@ time. Where the kernel gives transparent huge pages on request
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``, the usual default), commands
 start with three glibc tunables (``TUNABLES``):
 
-- ``glibc.malloc.hugetlb=1``: every block glibc maps asks for huge pages, so it faults in
-  2 MiB at a time;
-- ``glibc.malloc.mmap_threshold=33554432``: blocks below 32 MiB (glibc's largest dynamic
-  threshold) come from the heaps, reused from call to call;
+- ``glibc.malloc.hugetlb=1``: the memory glibc asks the kernel for comes on huge pages, so it
+  faults in 2 MiB at a time;
+- ``glibc.malloc.mmap_max=0``: no block is mapped on its own where a heap can hold it (the main
+  heap any size, a thread's heaps up to 64 MiB): a freed block is reused by the next call;
 - ``glibc.malloc.trim_threshold=2147483647``: a heap keeps its freed top below 2 GiB, which the
   next step would fault in again. A process keeps its peak; it does not grow beyond it.
 
@@ -36,7 +36,7 @@ import sys
 SWITCH = "ATTNJAX_HUGE_PAGES"
 TUNABLES = {
     "glibc.malloc.hugetlb": "1",
-    "glibc.malloc.mmap_threshold": str(32 << 20),
+    "glibc.malloc.mmap_max": "0",
     "glibc.malloc.trim_threshold": str(2**31 - 1),
 }
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"

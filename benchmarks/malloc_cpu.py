@@ -6,9 +6,9 @@ to keep the memory a process frees (one arena, no block mapped on its own, no tr
 
 XLA:CPU allocates each call's temporary buffers in one ``malloc`` and frees them when it returns;
 glibc by default maps such a block afresh and unmaps it at ``free``, so each step faults its
-working memory in again, 4 KiB at a time. Huge pages fault the blocks from 32 MiB in 2 MiB at a
-time and keep smaller ones in the heaps; the kept setting keeps everything in one heap. Both
-are glibc's own tunables (``GLIBC_TUNABLES``, read when a process starts). Each setting runs in
+working memory in again, 4 KiB at a time. Huge pages keep blocks in each thread's heaps (those
+beyond 64 MiB mapped, on 2 MiB pages); the kept setting keeps everything in one heap. Both are
+glibc's own tunables (``GLIBC_TUNABLES``, read when a process starts). Each setting runs in
 fresh processes, alternating (huge pages, kept, glibc's defaults, for ``--rounds`` rounds),
 every row in each: the median step of attnjax and of torch (in the same process, so under the
 same malloc), and per attnjax step the page faults and the kernel time (``getrusage``). Writes

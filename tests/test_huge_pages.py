@@ -71,10 +71,7 @@ def test_switched_off_or_set_by_the_user_nothing_restarts():
 
 
 def test_the_tunables_are_added_to_the_users_own_and_never_replace_theirs():
-    ours = (
-        "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:"
-        "glibc.malloc.trim_threshold=2147483647"
-    )
+    ours = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
     assert huge_pages.tunables_with_huge_pages("") == ours
     assert (
         huge_pages.tunables_with_huge_pages("glibc.malloc.arena_max=2")
