@@ -12,7 +12,8 @@ start with three glibc tunables (``TUNABLES``):
 - ``glibc.malloc.mmap_max=0``: no block is mapped on its own where a heap can hold it (the main
   heap any size, a thread's heaps up to 64 MiB): a freed block is reused by the next call;
 - ``glibc.malloc.trim_threshold=2147483647``: a heap keeps its freed top below 2 GiB, which the
-  next step would fault in again. A process keeps its peak; it does not grow beyond it.
+  next step would fault in again. A process keeps the memory it freed instead of returning it,
+  so its resident size stays near its peak.
 
 Every training step measured runs faster or the same, none slower
 (benchmarks/results/malloc_cpu.md, ``benchmarks/malloc_cpu.py``). Numbers are unchanged: only
