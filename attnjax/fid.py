@@ -32,15 +32,21 @@ import argparse
 import os
 import sys
 
-from attnjax.data import folder
-from attnjax.metrics import scores, sources
-from attnjax.metrics.features import (
+if __name__ == "__main__":
+    from attnjax import huge_pages
+
+    # First, as train.py: glibc reads its tunables only when a process starts.
+    huge_pages.restart_with_huge_pages()
+
+from attnjax.data import folder  # noqa: E402
+from attnjax.metrics import scores, sources  # noqa: E402
+from attnjax.metrics.features import (  # noqa: E402
     FeatureExtractor,
     inception_extractor,
     measure,
 )
-from attnjax.metrics.statistics import frechet_distance, save_statistics
-from attnjax.train import collector, compilation_cache
+from attnjax.metrics.statistics import frechet_distance, save_statistics  # noqa: E402
+from attnjax.train import collector, compilation_cache  # noqa: E402
 
 DIMS = (64, 192, 768, 2048)
 METRICS = ("is", "pr", "kid")

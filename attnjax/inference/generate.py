@@ -42,23 +42,29 @@ import re
 import sys
 from typing import Any, NamedTuple
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
+if __name__ == "__main__":
+    from attnjax import huge_pages
 
-from attnjax import data, storage
-from attnjax.data.images import save_image_grid
-from attnjax.metrics import sources
-from attnjax.metrics.features import inception_extractor, measure
-from attnjax.metrics.statistics import save_statistics
-from attnjax.models import gpt, sampling
-from attnjax.parallel import sharding
-from attnjax.tasks import classification, image_metrics
-from attnjax.tasks import prior as prior_task
-from attnjax.tasks import vqgan as vqgan_task
-from attnjax.train import checkpoint, collector, compilation_cache
+    # First, as train.py: glibc reads its tunables only when a process starts.
+    huge_pages.restart_with_huge_pages()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from attnjax import data, storage  # noqa: E402
+from attnjax.data.images import save_image_grid  # noqa: E402
+from attnjax.metrics import sources  # noqa: E402
+from attnjax.metrics.features import inception_extractor, measure  # noqa: E402
+from attnjax.metrics.statistics import save_statistics  # noqa: E402
+from attnjax.models import gpt, sampling  # noqa: E402
+from attnjax.parallel import sharding  # noqa: E402
+from attnjax.tasks import classification, image_metrics  # noqa: E402
+from attnjax.tasks import prior as prior_task  # noqa: E402
+from attnjax.tasks import vqgan as vqgan_task  # noqa: E402
+from attnjax.train import checkpoint, collector, compilation_cache  # noqa: E402
 
 
 class TrainedPrior(NamedTuple):

@@ -30,16 +30,22 @@ import csv
 import os
 import sys
 
-import jax
-import numpy as np
-from tqdm import tqdm
+if __name__ == "__main__":
+    from attnjax import huge_pages
 
-from attnjax import data, storage
-from attnjax.data import folder, preprocess, sources
-from attnjax.data.files import FileSource, ImageList
-from attnjax.metrics.features import FeatureExtractor
-from attnjax.tasks import classification
-from attnjax.train import checkpoint, collector, compilation_cache
+    # First, as train.py: glibc reads its tunables only when a process starts.
+    huge_pages.restart_with_huge_pages()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from attnjax import data, storage  # noqa: E402
+from attnjax.data import folder, preprocess, sources  # noqa: E402
+from attnjax.data.files import FileSource, ImageList  # noqa: E402
+from attnjax.metrics.features import FeatureExtractor  # noqa: E402
+from attnjax.tasks import classification  # noqa: E402
+from attnjax.train import checkpoint, collector, compilation_cache  # noqa: E402
 
 BAD_FILE_CHOICES = ("skip", "stop")
 # Files decoded at once while the previous batch runs: decoding is most of the time on a CPU.
