@@ -21,9 +21,9 @@ import pathlib
 import resource
 import tempfile
 
-if __name__ == "__main__":
-    from attnjax import huge_pages
+from attnjax import huge_pages
 
+if __name__ == "__main__":
     # As train.py starts (both sides of a row share the process, so torch runs under it too).
     huge_pages.restart_with_huge_pages()
 
@@ -72,7 +72,7 @@ def machine() -> dict:
         "jax_device": jax.devices()[0].device_kind,
         "jax_device_count": jax.device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        "glibc_tunables": huge_pages.in_effect(),
         "torch": torch.__version__,
         "torch_device": device() if device() == "cpu" else torch.cuda.get_device_name(),
     }
