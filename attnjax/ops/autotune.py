@@ -53,6 +53,10 @@ ROUNDS = 3
 # within the noise of the fastest of REPEATS calls (benchmarks/results/cpu_rules.md), and the
 # default is the program every machine runs with the timing off.
 MARGIN = 0.02
+# After a round, a candidate this much slower than the fastest runs no further rounds: in
+# benchmarks/results/cpu_rules.md one round's ratio strays from the median of five by at most
+# 0.33 (1.07 against 1.34), so a candidate 1.5x behind in one round has never won the median.
+DROP_RATIO = 1.5
 
 _enabled: bool | None = None  # set_enabled's override of $ATTNJAX_CPU_AUTOTUNE
 _choices: dict[str, str] = {}  # this process's choices, read from or written to the cache
@@ -151,41 +155,62 @@ def time_candidates(
     rounds: int = ROUNDS,
 ) -> dict[str, float]:
     """Per candidate, the fastest of ``repeats`` calls in seconds, after one warm-up call each,
-    measured in ``rounds`` rounds: the median round. The calls alternate (A B A B ...), so a load
-    that comes and goes weighs on every candidate alike, and the minimum is the call it disturbed
-    least."""
+    measured in up to ``rounds`` rounds: the median round. The calls alternate (A B A B ...), so
+    a load that comes and goes weighs on every candidate alike, and the minimum is the call it
+    disturbed least. A candidate ``DROP_RATIO`` behind the fastest after a round runs no more
+    rounds (its median so far stands), and the timing ends when one is left: ViT-B/16's
+    attention forward, 2-3x slower on two of its three paths, takes one round instead of three."""
     with jax.ensure_compile_time_eval():
         calls = {name: build() for name, build in candidates.items()}
-        per_round = fastest_per_round(calls, repeats, rounds)
+        per_round = fastest_per_round(calls, repeats, rounds, drop_ratio=DROP_RATIO)
     return {name: statistics.median(t) for name, t in per_round.items()}
 
 
 def fastest_per_round(
-    calls: dict[str, Callable[[], object]], repeats: int, rounds: int
+    calls: dict[str, Callable[[], object]],
+    repeats: int,
+    rounds: int,
+    drop_ratio: float | None = None,
 ) -> dict[str, list[float]]:
     """``{name: [seconds of the fastest call of each round]}``: ``rounds`` rounds of
-    ``alternating_times``."""
+    ``alternating_times``, the warm-up and the sizing of the repeats in the first only. With
+    ``drop_ratio``, a candidate whose median round so far is more than ``drop_ratio`` times the
+    fastest's leaves the later rounds, and they end when one candidate is left."""
     per_round = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, t in alternating_times(calls, repeats).items():
+    running = dict(calls)
+    for index in range(rounds):
+        times = alternating_times(running, repeats, warm_up=index == 0)
+        for name, t in times.items():
             per_round[name].append(min(t))
+        repeats = max(len(t) for t in times.values())  # as sized in the first round
+        if drop_ratio is not None:
+            medians = {name: statistics.median(per_round[name]) for name in running}
+            best = min(medians.values())
+            running = {n: c for n, c in running.items() if medians[n] <= drop_ratio * best}
+            if len(running) == 1:
+                break
     return per_round
 
 
 def alternating_times(
-    calls: dict[str, Callable[[], object]], repeats: int, min_seconds: float = MIN_SECONDS
+    calls: dict[str, Callable[[], object]],
+    repeats: int,
+    min_seconds: float = MIN_SECONDS,
+    warm_up: bool = True,
 ) -> dict[str, list]:
     """Seconds of at least ``repeats`` calls of each blocking call, after one warm-up call each,
     the calls alternating (A B A B ...); more calls where the fastest candidate's would add up
-    to less than ``min_seconds``."""
-    for call in calls.values():
-        call()
-    shortest = float("inf")
-    for call in calls.values():
-        start = time.perf_counter()
-        call()
-        shortest = min(shortest, time.perf_counter() - start)
-    repeats = max(repeats, min(MAX_REPEATS, math.ceil(min_seconds / max(shortest, 1e-6))))
+    to less than ``min_seconds``. ``warm_up=False``: calls warmed and sized before, exactly
+    ``repeats`` of them."""
+    if warm_up:
+        for call in calls.values():
+            call()
+        shortest = float("inf")
+        for call in calls.values():
+            start = time.perf_counter()
+            call()
+            shortest = min(shortest, time.perf_counter() - start)
+        repeats = max(repeats, min(MAX_REPEATS, math.ceil(min_seconds / max(shortest, 1e-6))))
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():

@@ -117,11 +117,62 @@ def test_real_timings_are_per_candidate():
 def test_timings_are_the_median_round(monkeypatch):
     """A first round that favours "a" is outvoted by the two after it, which favour "b"."""
     rounds = iter(
-        [{"a": [1.0, 1.5], "b": [2.0]}, {"a": [3.0], "b": [2.5]}, {"a": [4.0], "b": [2.0]}]
+        [{"a": [1.8, 2.5], "b": [2.0]}, {"a": [3.0], "b": [2.5]}, {"a": [4.0], "b": [2.0]}]
     )
-    monkeypatch.setattr(autotune, "alternating_times", lambda calls, repeats: next(rounds))
+    monkeypatch.setattr(autotune, "alternating_times", lambda calls, repeats, **_: next(rounds))
     candidates = {"a": lambda: lambda: None, "b": lambda: lambda: None}
     assert autotune.time_candidates(candidates, rounds=3) == {"a": 3.0, "b": 2.0}
+
+
+def test_a_candidate_far_behind_leaves_the_later_rounds(monkeypatch):
+    """Candidate c, 2x behind after the first round, runs no more; a and b, within 1.5x of each
+    other, run all three rounds, and c's one round is its time."""
+    timed = []
+    rounds = iter([{"a": 1.0, "b": 1.4, "c": 2.0}, {"a": 1.2, "b": 1.1}, {"a": 1.3, "b": 1.0}])
+
+    def alternating_times(calls, repeats, **_):
+        timed.append(sorted(calls))
+        return {name: [t] for name, t in next(rounds).items() if name in calls}
+
+    monkeypatch.setattr(autotune, "alternating_times", alternating_times)
+    candidates = {name: (lambda: lambda: None) for name in "abc"}
+    assert autotune.time_candidates(candidates, rounds=3) == {"a": 1.2, "b": 1.1, "c": 2.0}
+    assert timed == [["a", "b", "c"], ["a", "b"], ["a", "b"]]
+
+
+def test_the_timing_ends_when_one_candidate_is_left(monkeypatch):
+    timed = []
+    rounds = iter([{"a": 1.0, "b": 1.6, "c": 3.0}])
+
+    def alternating_times(calls, repeats, **_):
+        timed.append(sorted(calls))
+        return {name: [t] for name, t in next(rounds).items() if name in calls}
+
+    monkeypatch.setattr(autotune, "alternating_times", alternating_times)
+    candidates = {name: (lambda: lambda: None) for name in "abc"}
+    assert autotune.time_candidates(candidates, rounds=3) == {"a": 1.0, "b": 1.6, "c": 3.0}
+    assert timed == [["a", "b", "c"]]
+
+
+def test_later_rounds_repeat_without_warm_up():
+    """Real calls: the first round warms each call up and sizes the repeats; the others make
+    exactly as many calls as it sized, and the benchmark's rounds (no drop_ratio) all run."""
+    counts = {"fast": 0, "slow": 0}
+
+    def make(name, seconds):
+        def call():
+            counts[name] += 1
+            time.sleep(seconds)
+
+        return call
+
+    calls = {"fast": make("fast", 0.001), "slow": make("slow", 0.01)}
+    per_round = autotune.fastest_per_round(calls, repeats=3, rounds=3)
+    assert [len(t) for t in per_round.values()] == [3, 3]
+    assert counts["fast"] == counts["slow"]
+    sized = (counts["fast"] - 2) // 3  # one warm-up and one sizing call, then 3 equal rounds
+    assert counts["fast"] == 2 + 3 * sized and sized >= 3
+    assert min(per_round["slow"]) > 3 * max(per_round["fast"])
 
 
 def test_short_calls_are_repeated_until_min_seconds():
