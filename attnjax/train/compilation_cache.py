@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import threading
 
 import filelock
 import jax
@@ -114,18 +115,29 @@ def remove_interrupted_entries(directory: pathlib.Path) -> list[str]:
     return removed
 
 
+_bypass_lock = threading.Lock()
+_bypass = {"depth": 0, "enabled": None}  # open bypassed() blocks, the setting before the first
+
+
 @contextlib.contextmanager
 def bypassed():
-    """Compiles inside neither read nor write the persistent cache (for the whole process, so
-    only where no other thread compiles meanwhile)."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    jax_cache.reset_cache()  # JAX decides once per process whether it uses the cache
+    """Compiles inside neither read nor write the persistent cache. The setting is the whole
+    process's: while any thread is inside, every thread's compiles pass the cache, and the last
+    to leave restores it (a program compiled ahead on a thread beside the initial state's)."""
+    with _bypass_lock:
+        if _bypass["depth"] == 0:
+            _bypass["enabled"] = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+            jax_cache.reset_cache()  # JAX decides once per process whether it uses the cache
+        _bypass["depth"] += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        jax_cache.reset_cache()
+        with _bypass_lock:
+            _bypass["depth"] -= 1
+            if _bypass["depth"] == 0:
+                jax.config.update("jax_enable_compilation_cache", _bypass["enabled"])
+                jax_cache.reset_cache()
 
 
 def current_directory() -> str | None:

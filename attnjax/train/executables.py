@@ -55,7 +55,7 @@ from absl import logging
 from jax.experimental import serialize_executable
 
 from attnjax import compat
-from attnjax.train import compilation_cache
+from attnjax.train import compilation_cache, host_trees
 
 ENV_DIR = "ATTNJAX_EXECUTABLE_CACHE"
 ENV_MAX_GB = "ATTNJAX_EXECUTABLE_CACHE_MAX_GB"
@@ -164,6 +164,7 @@ class ExecutableCache:
             return jitted
         programs: dict[str, Callable] = {}
         last: list[Callable] = []
+        ahead: dict[str, concurrent.futures.Future] = {}  # signature -> compiling on a thread
 
         @functools.wraps(jitted)
         def call(*args):
@@ -179,13 +180,28 @@ class ExecutableCache:
                 return jitted(*args)  # inside another trace (jax.eval_shape): inlined there
             signature = _signature(args)
             program = programs.get(signature)
-            if program is None:
-                program = programs[signature] = self._program(name, jitted, args, signature, listed)
-            last[:] = [program]
+            if program is None and signature in ahead:
+                program, kept = ahead.pop(signature).result()
+                if kept and listed:  # listed at its first use, as the programs compiled here
+                    self._list(self._path(name, signature).name)
+            program = program or self._program(name, jitted, args, signature, listed)
+            programs[signature], last[:] = program, [program]
             return program(*args)
 
+        def prepare(*args) -> None:
+            """Compiles and keeps the program for ``args`` (arrays or ``jax.ShapeDtypeStruct``s)
+            on a thread, traced and lowered here: XLA compiles outside Python's lock while the
+            caller builds the initial state, and the first call of that signature waits for it.
+            Nothing where the program is kept already (a repeated run loads it)."""
+            signature = _signature(args)
+            path = self._path(name, signature)
+            if signature in programs or signature in ahead or path.exists():
+                return
+            lowered, platform = jitted.lower(*args), _platform(args) or jax.default_backend()
+            ahead[signature] = _compiler().submit(self._compile, path, lowered, platform)
+
         # What else reads the program (the FLOP count for MFU, ahead-of-time compiles) traces it.
-        call.trace, call.lower = jitted.trace, jitted.lower
+        call.trace, call.lower, call.prepare = jitted.trace, jitted.lower, prepare
         return call
 
     def memoized(self, name: str, jitted: Callable) -> Callable:
@@ -202,7 +218,7 @@ class ExecutableCache:
         @functools.wraps(jitted)
         def call(*args):
             leaves = jax.tree.leaves(args)
-            if not all(_on_default_device(x) for x in leaves):
+            if not all(host_trees.on_default_device(x) for x in leaves):
                 return program(*args)  # inside a trace, or placed by the caller
             values = [np.asarray(x) for x in leaves]
             digest = hashlib.sha256(_signature(args).encode())
@@ -226,7 +242,7 @@ class ExecutableCache:
                 # Writable memory the arrays own: whatever aliases them may write to them.
                 entry = bytearray(os.fstat(file.fileno()).st_size)
                 file.readinto(entry)
-            kept = _unpack(entry)
+            kept = host_trees.unpack(entry)
         except FileNotFoundError:
             return None
         except Exception as error:  # damaged: run again and replaced
@@ -237,10 +253,10 @@ class ExecutableCache:
 
     def _store_results(self, path: pathlib.Path, outputs) -> None:
         host = jax.device_get(outputs)
-        if not all(_plain_array(x) for x in jax.tree.leaves(host)):
+        if not all(host_trees.plain_array(x) for x in jax.tree.leaves(host)):
             return  # PRNG keys and other extended dtypes: not kept
         try:
-            self._write(path, *_pack(host))
+            self._write(path, *host_trees.pack(host))
         except Exception as error:  # a full disk
             logging.warning("outputs of %s not kept: %s", path.name, error)
             return
@@ -255,9 +271,12 @@ class ExecutableCache:
             file.writelines(parts)
         os.replace(private, path)
 
-    def _program(self, name: str, jitted: Callable, args, signature: str, listed: bool):
+    def _path(self, name: str, signature: str) -> pathlib.Path:
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
-        path = self.directory / f"{name}-{key[:32]}{SUFFIX}"
+        return self.directory / f"{name}-{key[:32]}{SUFFIX}"
+
+    def _program(self, name: str, jitted: Callable, args, signature: str, listed: bool):
+        path = self._path(name, signature)
         start, platform = time.perf_counter(), _platform(args) or jax.default_backend()
         loaded = self._load(path, args, platform)
         if loaded is not None:
@@ -266,17 +285,22 @@ class ExecutableCache:
             if listed:
                 self._list(path.name)
             return loaded
-        lowered, hits = jitted.lower(*args), compilation_cache.counts()["hits"]
+        compiled, kept = self._compile(path, jitted.lower(*args), platform)
+        if kept and listed:
+            self._list(path.name)
+        return compiled
+
+    def _compile(self, path: pathlib.Path, lowered, platform: str) -> tuple[Any, bool]:
+        """``(compiled, whether it was kept at path)``."""
+        hits = compilation_cache.counts()["hits"]
         # XLA:CPU serialises an executable read back from JAX's own cache without its code
         # (loading it fails with "Function ... not found"): a CPU program is compiled past that
         # cache, to be kept. Elsewhere, where compiling takes far longer, the cache may answer.
         with compilation_cache.bypassed() if platform == "cpu" else contextlib.nullcontext():
             compiled = lowered.compile()
         if compilation_cache.counts()["hits"] > hits:
-            return compiled  # not kept: as above, not known to load back
-        if self._store(path, compiled) and listed:
-            self._list(path.name)
-        return compiled
+            return compiled, False  # not kept: as above, not known to load back
+        return compiled, self._store(path, compiled)
 
     def _load(self, path: pathlib.Path, args, platform: str):
         ahead = _ahead.pop(str(path), None)
@@ -320,6 +344,11 @@ class ExecutableCache:
         _counts["written"] += 1
         _bound_size(self.directory)
         return True
+
+
+@functools.cache  # one thread, which Python joins at exit: no backend torn down under a compile
+def _compiler() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attnjax-compile")
 
 
 def _deserialize(path: pathlib.Path, platform: str | None):
@@ -371,6 +400,11 @@ def read_ahead(config) -> None:
     atexit.register(lambda: (_stop_reading.set(), thread.join()))
 
 
+def reading_ahead() -> bool:
+    """Whether ``read_ahead`` found programs to load: a repeated run of the config."""
+    return bool(_ahead)
+
+
 def _read_all(jobs, platform) -> None:
     for path, future in jobs:
         if _stop_reading.is_set():
@@ -380,50 +414,6 @@ def _read_all(jobs, platform) -> None:
             future.set_result((platform, _deserialize(pathlib.Path(path), platform)))
         except BaseException as error:  # handed to whoever asks for this program
             future.set_exception(error)
-
-
-def _pack(tree) -> list:
-    """``tree`` of host arrays as the parts of one entry: its pickle with the arrays' bytes out of
-    band, after it, so that reading it back copies them once (ViT-B/16's 343 MB of parameters:
-    0.2 s less than an in-band pickle); the arrays' own memory, written without a copy."""
-    buffers = []
-    head = pickle.dumps(tree, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    index = pickle.dumps((len(head), [raw.nbytes for raw in raws]), protocol=5)
-    return [len(index).to_bytes(8, "little"), index, head, *raws]
-
-
-def _unpack(entry: bytearray):
-    view = memoryview(entry)
-    start = 8 + int.from_bytes(view[:8], "little")
-    head_size, sizes = pickle.loads(view[8:start])
-    head, offset = view[start : start + head_size], start + head_size
-    buffers = []
-    for size in sizes:
-        buffers.append(view[offset : offset + size])
-        offset += size
-    if offset != len(entry):
-        raise ValueError(f"{len(entry)} bytes where the index says {offset}")
-    return pickle.loads(head, buffers=buffers)
-
-
-def _on_default_device(x) -> bool:
-    """A host value, or a jax array left where JAX put it (uncommitted: on the default device),
-    of a plain dtype: what ``memoized`` can digest and put back in the same place."""
-    if isinstance(x, jax.core.Tracer):
-        return False
-    if isinstance(x, jax.Array):
-        return not x.committed and len(x.sharding.device_set) == 1 and _plain_array(x)
-    return isinstance(x, (int, float, bool)) or (
-        isinstance(x, (np.ndarray, np.generic))
-        and x.dtype.kind in "biufc"  # bytes that mean values
-    )
-
-
-def _plain_array(x) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and not jax.dtypes.issubdtype(
-        x.dtype, jax.dtypes.extended
-    )
 
 
 def _platform(args) -> str | None:

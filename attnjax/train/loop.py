@@ -105,7 +105,13 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     # A resumed run replaces every value of its initial state: it needs only the state's shapes
     # and layout, not the compiled and run initialisation.
     resuming = dp.mode == "jit" and checkpoint.latest_step(workdir) is not None
-    state = _create_train_state(config, task, model, datasets, dp, init_rng, abstract=resuming)
+    example = next(data.make_iterator(datasets.train, config.get("data")))
+    steps = state = None
+    if resuming or (dp.mode == "jit" and not executables.reading_ahead()):  # not a warm start
+        state = _create_train_state(config, task, model, example, dp, init_rng, abstract=True)
+        steps = _steps(config, task, model, dp, state, ahead=(example, init_rng))
+    if not resuming:
+        state = _create_train_state(config, task, model, example, dp, init_rng)
     profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
 
     is_main = jax.process_index() == 0
@@ -130,7 +136,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
         train_iter = data.make_iterator(datasets.train, config.get("data"))
         start, state = _restore(ckpt, state, train_iter, workdir)
         if resuming and start is None:  # its steps went between the look and the restore
-            state = _create_train_state(config, task, model, datasets, dp, init_rng)
+            state = _create_train_state(config, task, model, example, dp, init_rng)
         saves_initial = start is None and config.num_train_steps == 0
         start = start or 0
         if is_main:
@@ -141,10 +147,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             state = dp.place_state(state)
         if saves_initial:
             ckpt.save(0, dp.checkpointable(state), train_iter.get_state())
-        train_step, eval_step = compile_steps(config, task, model, dp, state)
-        if dp.mode == "jit":  # a repeated run loads them as compiled, skipping their tracing
-            identity = executables.identity_of(config, task)
-            train_step, eval_step = executables.cached_steps(identity, train_step, eval_step)
+        train_step, eval_step = steps or _steps(config, task, model, dp, state)
         batches = data_parallel.Prefetcher(
             train_iter, dp.shard_batch, size=config.get("prefetch", 2)
         )
@@ -219,10 +222,26 @@ def _make_datasets(config, task) -> data.Datasets:
     )
 
 
-def _create_train_state(config, task, model, datasets, dp, init_rng, abstract=False):
-    """The task's initial state; under jit already in the mesh layout restored checkpoints take.
-    ``abstract``: its ``jax.ShapeDtypeStruct``s in that layout (jit), a target to restore into."""
-    example = next(data.make_iterator(datasets.train, config.get("data")))
+def _steps(config, task, model, dp, state, ahead=None) -> tuple[Callable, Callable]:
+    """The train and eval steps for ``state`` (values or shapes); under jit kept, so that a
+    repeated run loads them as compiled. ``ahead``, ``(a train batch, a host key)``: a train
+    step not kept yet compiles on a thread from here, its CPU kernel choices timed first on idle
+    cores, while the caller builds the initial state (the first step waits for the longer)."""
+    train_step, eval_step = compile_steps(config, task, model, dp, state)
+    if dp.mode != "jit":
+        return train_step, eval_step
+    identity = executables.identity_of(config, task)
+    train_step, eval_step = executables.cached_steps(identity, train_step, eval_step)
+    if ahead and hasattr(train_step, "prepare"):  # not with the cache off, nor multi-process
+        with autotune.timing_window():  # a step's key is a host key like the run's
+            train_step.prepare(state, dp.shard_batch(ahead[0]), np.zeros_like(ahead[1]))
+    return train_step, eval_step
+
+
+def _create_train_state(config, task, model, example, dp, init_rng, abstract=False):
+    """The task's initial state for ``example`` (a train batch); under jit already in the mesh
+    layout restored checkpoints take. ``abstract``: its ``jax.ShapeDtypeStruct``s in that layout
+    (jit), a target to restore into."""
     if abstract:
         shapes = abstract_train_state(config, task, model, example, init_rng)
         return data_parallel.placed_shapes(shapes, dp.state_shardings(shapes))

@@ -179,3 +179,28 @@ def test_an_entry_a_killed_process_left_unfinished_is_removed_and_the_cache_writ
     assert cut.stat().st_size > 0 and cut_use.exists()
     third, _ = _compile_two_programs(cache)
     assert third["warnings"] == [] and third["counts"]["misses"] == 0
+
+
+def test_bypassed_blocks_on_two_threads_restore_the_setting_when_the_last_leaves():
+    """A train step compiles past the cache on a thread while the initial state's program does
+    on the caller's: the cache stays off until both are done, then is as it was."""
+    import threading
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", True)
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with compilation_cache.bypassed():
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other)
+    with compilation_cache.bypassed():
+        thread.start()
+        assert entered.wait(10)
+    assert jax.config.jax_enable_compilation_cache is False  # the thread is still inside
+    leave.set()
+    thread.join(10)
+    assert jax.config.jax_enable_compilation_cache is True
+    jax.config.update("jax_enable_compilation_cache", before)

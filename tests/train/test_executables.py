@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from attnjax.train import compilation_cache, executables
+from attnjax.train import compilation_cache, executables, host_trees
 
 
 @pytest.fixture
@@ -60,6 +60,37 @@ def test_a_second_process_loads_the_program_without_tracing_and_computes_the_sam
     expected, _ = run(None)
     for got in (first, second):
         jax.tree.map(np.testing.assert_array_equal, got, expected)
+
+
+def test_a_program_prepared_from_shapes_is_what_the_first_call_runs(cache_dir, monkeypatch):
+    """``prepare`` with ``jax.ShapeDtypeStruct``s traces once, here, and compiles and keeps the
+    program on a thread; the first call with values of that signature runs it (nothing traced
+    or compiled again) and gives the plain program's values."""
+    before = executables.counts()
+    jitted, traced = counted_step()
+    cache = executables.ExecutableCache({"config": {"lr": 1}})
+    step = cache.cached("step", jitted)
+    x = jnp.eye(4) * 0.5
+    shapes = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding), (state(), x)
+    )
+    step.prepare(*shapes)
+    assert traced == [(4, 4)]
+    monkeypatch.setattr(cache, "_program", lambda *a: pytest.fail("compiled at the call"))
+    s, out = step(state(), x)
+    s, out = step(s, x)
+    assert traced == [(4, 4)] and executables.counts()["written"] == before["written"] + 1
+    expected, _ = run(None)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((s, out)), expected)
+    step.prepare(*shapes)  # compiled already: nothing traced again
+    assert traced == [(4, 4)]
+    # A new run of the same identity: kept, so prepare leaves it to the load.
+    jitted, traced = counted_step()
+    step = executables.ExecutableCache({"config": {"lr": 1}}).cached("step", jitted)
+    step.prepare(*shapes)
+    assert traced == []
+    again, _ = run({"config": {"lr": 1}})
+    jax.tree.map(np.testing.assert_array_equal, again, expected)
 
 
 @pytest.mark.parametrize("change", ["identity", "source", "xla_flags", "dtype"])
@@ -296,7 +327,7 @@ def test_arguments_placed_by_the_caller_or_traced_run_the_program(cache_dir):
 def test_host_arguments_whose_bytes_are_not_their_values_run_the_program(cache_dir):
     names = np.array(["a", None], dtype=object)  # pointers: equal bytes, other values
     memoized = executables.ExecutableCache({}).memoized("size", jax.jit(lambda n: n + 1))
-    assert executables._on_default_device(names) is False
+    assert host_trees.on_default_device(names) is False
     assert int(memoized(np.int32(2))) == 3  # plain integers are kept
     assert len(list(cache_dir.glob(f"*{executables.RESULTS_SUFFIX}"))) == 1
 

@@ -15,7 +15,7 @@ from helpers import assert_close, load_config, tiny_vit, tiny_vit_config, tiny_v
 
 from attnjax import compat, data
 from attnjax.tasks import classification, get_task, train_and_evaluate
-from attnjax.train import loop, report
+from attnjax.train import executables, loop, report
 
 # ---- a short real run: every output a person looks at -------------------------------------
 
@@ -185,12 +185,16 @@ def test_a_resuming_runs_target_is_the_initial_states_shapes_and_layout(make_con
     model = task.create_model(config)
     datasets = loop._make_datasets(config, task)
     rng = jax.random.PRNGKey(0)
-    state = loop._create_train_state(config, task, model, datasets, dp, rng)
-    target = loop._create_train_state(config, task, model, datasets, dp, rng, abstract=True)
+    example = next(data.make_iterator(datasets.train, config.get("data")))
+    state = loop._create_train_state(config, task, model, example, dp, rng)
+    target = loop._create_train_state(config, task, model, example, dp, rng, abstract=True)
     assert jax.tree.structure(target) == jax.tree.structure(state)
     for x, t in zip(jax.tree.leaves(state), jax.tree.leaves(target)):
         assert isinstance(t, jax.ShapeDtypeStruct) and not isinstance(x, jax.ShapeDtypeStruct)
         assert (t.shape, t.dtype, t.sharding) == (x.shape, x.dtype, x.sharding)
+    # The signature a program is kept under: the train step compiled ahead for the shapes is
+    # the one the first step's values call.
+    assert executables._signature((target,)) == executables._signature((state,))
 
 
 def test_read_metrics_keeps_the_last_record_of_each_step_and_kind(tmp_path):
