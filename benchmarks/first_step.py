@@ -217,8 +217,9 @@ def table(rows: list[dict], machine: dict) -> str:
         "read and loaded, beyond what the thread had loaded meanwhile; imports as "
         "above; the rest is the config, data pipeline, "
         "initial state, workdir and the step itself; CPU kernel choices timed while a program "
-        "is traced compile inside the tracing, so on a cold start the stages overlap and the rest "
-        "can come out below zero):",
+        "is traced compile inside the tracing, and a start without a kept train step compiles it "
+        "on a thread while the initial state's programs compile beside it, so there the stages "
+        "overlap and the rest can come out below zero):",
         "",
         "| workload | start | total | imports | tracing | lowering | compiling | loading | rest |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -72,7 +72,8 @@ def test_a_second_run_reads_its_programs_from_the_cache(digits_dir, tmp_path):
     first = _train(tmp_path / "first", digits_dir, cache)
     # Kept whole: the run's keys, the init, the optimiser's init, the step keys and the train
     # step (the eval step comes after the first), each compiled past JAX's cache, which holds
-    # none of them (XLA:CPU could not serialise them again from there).
+    # none of them (XLA:CPU could not serialise them again from there). The train step once:
+    # compiled ahead from the state's shapes, then called with the values.
     assert first["hits"] == 0 and first["saved"] == 0.0
     assert first["loaded"] == 0 and first["kept"] == 5 and first["read"] == 0
     assert first["ahead"] == 0  # no run before it listed programs
