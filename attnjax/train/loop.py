@@ -102,14 +102,15 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     model = task.create_model(config)
     datasets = _make_datasets(config, task)
     init_rng, train_rng = keys.run_keys(config)
-    # A resumed run replaces every value of its initial state: it needs only the state's shapes
-    # and layout, not the compiled and run initialisation.
-    resuming = dp.mode == "jit" and checkpoint.latest_step(workdir) is not None
+    # A resumed run replaces every value of its initial state: it needs only its shapes and layout.
+    latest = checkpoint.latest_step(workdir) if dp.mode == "jit" else None
+    resuming, steps, state = latest is not None, None, None
     example = next(data.make_iterator(datasets.train, config.get("data")))
-    steps = state = None
-    if resuming or (dp.mode == "jit" and not executables.reading_ahead()):  # not a warm start
+    # Steps to train and no kept train step (not a warm start): compiled on a thread from here.
+    ahead = config.num_train_steps > (latest or 0) and not executables.reading_ahead()
+    if resuming or (dp.mode == "jit" and ahead):
         state = _create_train_state(config, task, model, example, dp, init_rng, abstract=True)
-        steps = _steps(config, task, model, dp, state, ahead=(example, init_rng))
+        steps = _steps(config, task, model, dp, state, ahead=(example, init_rng) if ahead else None)
     if not resuming:
         state = _create_train_state(config, task, model, example, dp, init_rng)
     profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
