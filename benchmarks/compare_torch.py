@@ -35,6 +35,7 @@ from rows_vqgan import vqgan_autoencoder, vqgan_gan_step  # noqa: E402
 from timing import median_seconds  # noqa: E402
 from torch_vs_jax import add_cpu_devices_flag, device, use_devices  # noqa: E402
 
+from attnjax import xla_cpu  # noqa: E402
 from attnjax.convert.common import make_torchvision_importable  # noqa: E402
 from attnjax.ops.platform import processor  # noqa: E402
 
@@ -71,7 +72,7 @@ def machine() -> dict:
         "jax_backend": jax.default_backend(),
         "jax_device": jax.devices()[0].device_kind,
         "jax_device_count": jax.device_count(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": xla_cpu.in_effect(),
         "glibc_tunables": huge_pages.in_effect(),
         "torch": torch.__version__,
         "torch_device": device() if device() == "cpu" else torch.cuda.get_device_name(),
