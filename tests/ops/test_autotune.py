@@ -124,34 +124,31 @@ def test_timings_are_the_median_round(monkeypatch):
     assert autotune.time_candidates(candidates, rounds=3) == {"a": 3.0, "b": 2.0}
 
 
-def test_a_candidate_far_behind_leaves_the_later_rounds(monkeypatch):
-    """Candidate c, 2x behind after the first round, runs no more; a and b, within 1.5x of each
-    other, run all three rounds, and c's one round is its time."""
-    timed = []
-    rounds = iter([{"a": 1.0, "b": 1.4, "c": 2.0}, {"a": 1.2, "b": 1.1}, {"a": 1.3, "b": 1.0}])
+@pytest.mark.parametrize(
+    "rounds, seconds, timed",
+    [
+        # c, 2x behind after the first round, runs no more; a and b, within 1.5x of each other,
+        # run all three rounds, and c's one round is its time.
+        (
+            [{"a": 1.0, "b": 1.4, "c": 2.0}, {"a": 1.2, "b": 1.1}, {"a": 1.3, "b": 1.0}],
+            {"a": 1.2, "b": 1.1, "c": 2.0},
+            [["a", "b", "c"], ["a", "b"], ["a", "b"]],
+        ),
+        # b and c both beyond 1.5x after the first round: the timing ends there.
+        ([{"a": 1.0, "b": 1.6, "c": 3.0}], {"a": 1.0, "b": 1.6, "c": 3.0}, [["a", "b", "c"]]),
+    ],
+)
+def test_a_candidate_far_behind_leaves_the_later_rounds(monkeypatch, rounds, seconds, timed):
+    calls_per_round, rounds = [], iter(rounds)
 
     def alternating_times(calls, repeats, **_):
-        timed.append(sorted(calls))
+        calls_per_round.append(sorted(calls))
         return {name: [t] for name, t in next(rounds).items() if name in calls}
 
     monkeypatch.setattr(autotune, "alternating_times", alternating_times)
     candidates = {name: (lambda: lambda: None) for name in "abc"}
-    assert autotune.time_candidates(candidates, rounds=3) == {"a": 1.2, "b": 1.1, "c": 2.0}
-    assert timed == [["a", "b", "c"], ["a", "b"], ["a", "b"]]
-
-
-def test_the_timing_ends_when_one_candidate_is_left(monkeypatch):
-    timed = []
-    rounds = iter([{"a": 1.0, "b": 1.6, "c": 3.0}])
-
-    def alternating_times(calls, repeats, **_):
-        timed.append(sorted(calls))
-        return {name: [t] for name, t in next(rounds).items() if name in calls}
-
-    monkeypatch.setattr(autotune, "alternating_times", alternating_times)
-    candidates = {name: (lambda: lambda: None) for name in "abc"}
-    assert autotune.time_candidates(candidates, rounds=3) == {"a": 1.0, "b": 1.6, "c": 3.0}
-    assert timed == [["a", "b", "c"]]
+    assert autotune.time_candidates(candidates, rounds=3) == seconds
+    assert calls_per_round == timed
 
 
 def test_later_rounds_repeat_without_warm_up():
