@@ -54,9 +54,10 @@ def _train(workdir, digits_dir, cache):
     (seconds, tracing, lowering, compiling, loaded, ahead, kept, read, hits, directory, saved,
      written) = match  # fmt: skip
     assert directory == str(cache)
-    # The stages are parts of the time to the first step.
+    # The stages are parts of the time to the first step, spent on at most two threads at once
+    # (a cold start compiles its train step beside the initial state's programs).
     stages = [float(tracing), float(lowering), float(compiling)]
-    assert all(s >= 0 for s in stages) and sum(stages) < float(seconds), match
+    assert all(s >= 0 for s in stages) and sum(stages) < 2 * float(seconds), match
     records = [r for r in report.read_metrics(str(workdir)) if "train/loss" in r]
     assert all("train/mfu" in r for r in records)  # the step's FLOPs still counted
     losses = [r["train/loss"] for r in records]
