@@ -401,7 +401,8 @@ def read_ahead(config) -> None:
 
 
 def reading_ahead() -> bool:
-    """Whether ``read_ahead`` found programs to load: a repeated run of the config."""
+    """Whether programs the last run of the config listed are still to be loaded (``read_ahead``'s
+    list, less those this run has loaded so far): a repeated run, before its steps."""
     return bool(_ahead)
 
 
