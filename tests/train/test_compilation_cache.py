@@ -198,11 +198,14 @@ def test_bypassed_blocks_on_two_threads_restore_the_setting_when_the_last_leaves
             leave.wait(10)
 
     thread = threading.Thread(target=other)
-    with compilation_cache.bypassed():
-        thread.start()
-        assert entered.wait(10)
-    assert jax.config.jax_enable_compilation_cache is False  # the thread is still inside
-    leave.set()
-    thread.join(10)
-    assert jax.config.jax_enable_compilation_cache is True
-    jax.config.update("jax_enable_compilation_cache", before)
+    try:
+        with compilation_cache.bypassed():
+            thread.start()
+            assert entered.wait(10)
+        assert jax.config.jax_enable_compilation_cache is False  # the thread is still inside
+        leave.set()
+        thread.join(10)
+        assert jax.config.jax_enable_compilation_cache is True
+    finally:  # the worker's process goes on with its own setting whatever happened here
+        leave.set()
+        jax.config.update("jax_enable_compilation_cache", before)
