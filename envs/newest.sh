@@ -7,6 +7,11 @@
 #   envs/newest.sh            build or reuse the root, then install, test, demo and compile there
 #   NEWEST_DIR=/elsewhere     where the root is kept (default: .newest in the checkout)
 #   DEBIAN_MIRROR=URL         the Debian mirror debootstrap uses (default: its own)
+#   NEWEST_PART=compare-torch after the install, benchmarks/compare_torch.py there instead of the
+#                             suite, against PyTorch from envs/torch-peer-py313.txt (its own
+#                             directory in the root); the JSON comes back as
+#                             benchmarks/results/compare_torch_cpu_newest.json
+#   NEWEST_COMPARE_ARGS="..." compare_torch.py's arguments there (e.g. "--rows sdpa_1024 --quick")
 #   NEWEST_DEMO_ARGS="..."    demo.py's arguments there (default: a few steps per stage; "" for
 #                             the full demo)
 set -euo pipefail
@@ -45,7 +50,7 @@ mkdir -p "$ROOT/src"
 git ls-files -z --cached --others --exclude-standard \
     | tar --null --ignore-failed-read -T - -cf - 2> /dev/null | tar -xf - -C "$ROOT/src"
 
-exec unshare --mount --propagation private bash -c '
+unshare --mount --propagation private bash -c '
     set -e
     ROOT=$1
     mount -t proc proc "$ROOT/proc"
@@ -54,6 +59,11 @@ exec unshare --mount --propagation private bash -c '
     exec chroot "$ROOT" env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 \
-        PIP_DEFAULT_TIMEOUT=180 CI="${CI:-}" ${NEWEST_DEMO_ARGS+NEWEST_DEMO_ARGS="$NEWEST_DEMO_ARGS"} \
+        PIP_DEFAULT_TIMEOUT=180 CI="${CI:-}" NEWEST_PART="${NEWEST_PART:-suite}" \
+        ${NEWEST_COMPARE_ARGS+NEWEST_COMPARE_ARGS="$NEWEST_COMPARE_ARGS"} ${NEWEST_DEMO_ARGS+NEWEST_DEMO_ARGS="$NEWEST_DEMO_ARGS"} \
         bash /src/envs/newest_inside.sh
 ' newest "$ROOT"
+if [ "${NEWEST_PART:-suite}" = compare-torch ]; then
+    cp "$ROOT/src/benchmarks/results/compare_torch_cpu_newest.json" benchmarks/results/
+    echo "newest: benchmarks/results/compare_torch_cpu_newest.json"
+fi

@@ -25,6 +25,20 @@ fi
 echo "newest: attnjax installed beside jax/jaxlib $after, left in place"
 
 cd /src
+if [ "$NEWEST_PART" = compare-torch ]; then
+    # PyTorch in a directory of its own, on the path of this one command: the suite's environment
+    # stays without it, as a user's JAX install would be.
+    PEER=/opt/torch-peer
+    if ! cmp -s envs/torch-peer-py313.txt "$PEER/.requirements"; then
+        rm -rf "$PEER"
+        $PIP install --no-deps --no-compile --target "$PEER" -r envs/torch-peer-py313.txt
+        cp envs/torch-peer-py313.txt "$PEER/.requirements"
+    fi
+    echo "== newest: benchmarks/compare_torch.py ${NEWEST_COMPARE_ARGS:-}"
+    # shellcheck disable=SC2086  # the arguments split on spaces
+    PYTHONPATH=$PEER exec $PY benchmarks/compare_torch.py \
+        --out benchmarks/results/compare_torch_cpu_newest.json ${NEWEST_COMPARE_ARGS:-}
+fi
 export JAX_COMPILATION_CACHE_DIR=/root/.jax_cache
 # Each part runs even when one before it failed (all three are reported); any failure fails.
 status=0
