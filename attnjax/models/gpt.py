@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
-from attnjax.models.multihead import MultiHeadAttention
+from attnjax.models.multihead import MultiHeadAttention, feed_forward_axes
 
 Array = jax.Array
 _INIT = nn.initializers.normal(stddev=0.02)  # minGPT's init for Linear and Embedding weights
@@ -50,11 +50,9 @@ _LN_EPS = 1e-5  # torch.nn.LayerNorm's default
 PADDED_LOGIT = -1e30
 # Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attention's, the MLP's hidden units, and the vocabulary of the embedding and head.
-PARAM_AXES = ATTENTION_AXES + (
-    (r"(^|/)mlp/fc1/kernel$", ("embed", "mlp")),
-    (r"(^|/)mlp/fc1/bias$", ("mlp",)),
-    (r"(^|/)mlp/fc2/kernel$", ("mlp", "embed")),
-    (r"(^|/)mlp/fc2/bias$", ("embed",)),
+PARAM_AXES = (
+    *ATTENTION_AXES,
+    *feed_forward_axes("mlp/fc1", "mlp/fc2"),
     (r"(^|/)tok_emb/embedding$", ("vocab", "embed")),
     (r"(^|/)head/kernel$", ("embed", "vocab")),
 )

@@ -26,6 +26,20 @@ PARAM_AXES = (
     # One head_dim-sized LayerNorm shared by every head: no head axis to split.
     (r"(^|/)(q_norm|k_norm)/(scale|bias)$", (None,)),
 )
+
+
+def feed_forward_axes(first: str, second: str) -> tuple:
+    """``PARAM_AXES`` rows for the two ``nn.Dense`` layers of a block's feed-forward (paths
+    ``first`` and ``second``, e.g. ``"mlp/fc1"``): the hidden units split the first by columns
+    and the second by rows, as the heads split the attention's projections."""
+    return (
+        (rf"(^|/){first}/kernel$", ("embed", "mlp")),
+        (rf"(^|/){first}/bias$", ("mlp",)),
+        (rf"(^|/){second}/kernel$", ("mlp", "embed")),
+        (rf"(^|/){second}/bias$", ("embed",)),
+    )
+
+
 # Logical axis names of the key/value cache ``[batch, max_length, heads, dim]``: a mesh's rules
 # that name all three keep each device's heads of it (and its rows of the batch) where its
 # projections compute them. Rules that leave one unnamed (training's) constrain nothing.

@@ -28,16 +28,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
-from attnjax.models.multihead import MultiHeadAttention
+from attnjax.models.multihead import MultiHeadAttention, feed_forward_axes
 
 # Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attentions', and the feed-forward's hidden units.
-PARAM_AXES = ATTENTION_AXES + (
-    (r"(^|/)linear1/kernel$", ("embed", "mlp")),
-    (r"(^|/)linear1/bias$", ("mlp",)),
-    (r"(^|/)linear2/kernel$", ("mlp", "embed")),
-    (r"(^|/)linear2/bias$", ("embed",)),
-)
+PARAM_AXES = ATTENTION_AXES + feed_forward_axes("linear1", "linear2")
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu": lambda x: nn.gelu(x, approximate=False)}
 _LAYER_FIELDS = (

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
+from attnjax.models.multihead import feed_forward_axes
 from attnjax.models.patches import pair, patchify
 from attnjax.models.position_embedding import LearnedPositionEmbedding
 from attnjax.models.vit_blocks import EncoderBlock, layer_norm
@@ -44,12 +45,7 @@ Array = jax.Array
 
 # Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attention's, and the MLP's hidden units; the rest has none.
-PARAM_AXES = ATTENTION_AXES + (
-    (r"(^|/)mlp/fc1/kernel$", ("embed", "mlp")),
-    (r"(^|/)mlp/fc1/bias$", ("mlp",)),
-    (r"(^|/)mlp/fc2/kernel$", ("mlp", "embed")),
-    (r"(^|/)mlp/fc2/bias$", ("embed",)),
-)
+PARAM_AXES = ATTENTION_AXES + feed_forward_axes("mlp/fc1", "mlp/fc2")
 
 # Standard sizes (Dosovitskiy et al. 2021; Ti from DeiT): width, depth, MLP size, heads.
 _SIZES = {
