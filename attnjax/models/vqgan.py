@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attnjax.models.group_norm import GroupNorm
 from attnjax.models.vector_quantizer import VectorQuantizer
 from attnjax.ops import convolution
 from attnjax.ops.attention import dot_product_attention
@@ -31,13 +32,11 @@ from attnjax.ops.attention import dot_product_attention
 Array = jax.Array
 
 
-def _normalize(name: str, dtype=None) -> nn.GroupNorm:
-    """GroupNorm(32, eps=1e-6), taming's ``Normalize``; Flax groups NHWC channels as PyTorch
-    groups NCHW ones. The two-pass variance follows PyTorch's numerics more closely than
-    E[x^2] - E[x]^2. Flax takes the statistics in float32 whatever ``dtype`` the output has."""
-    return nn.GroupNorm(
-        num_groups=32, epsilon=1e-6, use_fast_variance=False, dtype=dtype, name=name
-    )
+def _normalize(name: str, dtype=None) -> GroupNorm:
+    """GroupNorm(32, eps=1e-6), taming's ``Normalize``: NHWC channels grouped as PyTorch groups
+    NCHW ones, a two-pass variance as PyTorch's, statistics in float32 whatever ``dtype`` the
+    output has."""
+    return GroupNorm(num_groups=32, epsilon=1e-6, dtype=dtype, name=name)
 
 
 def _conv(
