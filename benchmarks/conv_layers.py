@@ -4,7 +4,9 @@
 
 The shapes are those of ``compare_torch.py``'s VQGAN rows (taming's Encoder/Decoder at 32 px,
 ch 64, ch_mult (1, 2, 2)). For each: XLA's forward, input gradient and kernel gradient (each
-jitted alone, NHWC/HWIO), and torch's forward and forward+backward (NCHW, its default CPU
+jitted alone, NHWC/HWIO), the three in one program as a train step runs them (XLA schedules and
+fuses them together: the one program, not the sum, is what compares with torch), and torch's
+forward and forward+backward (NCHW, its default CPU
 backends, then with NNPACK off and with oneDNN off, which shows which of its kernels wins).
 Prints a table and writes ``benchmarks/results/conv_layers_<platform>.json``.
 """
@@ -43,8 +45,20 @@ def xla_times(x, w, repeats):
     forward = jax.jit(_conv)
     input_grad = jax.jit(lambda x, w: jax.grad(lambda x: _conv(x, w).sum())(x))
     kernel_grad = jax.jit(lambda x, w: jax.grad(lambda w: _conv(x, w).sum())(w))
+
+    @jax.jit
+    def both(x, w, d_out):  # the output and both gradients, a cotangent from outside as in a step
+        y, pullback = jax.vjp(_conv, x, w)
+        return y, pullback(d_out)
+
+    d_out = np.ones(jax.eval_shape(_conv, x, w).shape, x.dtype)
     out = {}
-    for name, fn in (("fwd", forward), ("dx", input_grad), ("dw", kernel_grad)):
+    for name, fn in (
+        ("fwd", forward),
+        ("dx", input_grad),
+        ("dw", kernel_grad),
+        ("fwd_bwd", lambda x, w: both(x, w, d_out)),
+    ):
         jax.block_until_ready(fn(x, w))
         out[name] = 1e3 * median_seconds(lambda: jax.block_until_ready(fn(x, w)), repeats)
     return out
@@ -87,10 +101,10 @@ def main():
     rng = np.random.default_rng(0)
     rows = []
     print(
-        "| maps | c_in -> c_out | count | GFLOP fwd | XLA fwd / dx / dw ms | XLA total "
-        "| torch fwd+bwd | no NNPACK | no oneDNN | torch / XLA |"
+        "| maps | c_in -> c_out | count | GFLOP fwd | XLA fwd / dx / dw ms | XLA sum "
+        "| XLA fwd+bwd, one program | torch fwd+bwd | no NNPACK | no oneDNN | torch / XLA |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size, c_in, c_out, count in SHAPES:
         x = rng.standard_normal((args.batch, size, size, c_in)).astype(np.float32)
         w = (rng.standard_normal((3, 3, c_in, c_out)) / np.sqrt(9 * c_in)).astype(np.float32)
@@ -112,17 +126,18 @@ def main():
         print(
             f"| {args.batch}x{size}x{size} | {c_in} -> {c_out} | {count} | {gflop:.2f} | "
             f"{xla['fwd']:.1f} / "
-            f"{xla['dx']:.1f} / {xla['dw']:.1f} | {total:.1f} | {ref['fwd_bwd']:.1f} | "
-            f"{ref['no_nnpack_fwd_bwd']:.1f} "
-            f"| {ref['no_onednn_fwd_bwd']:.1f} | {ref['fwd_bwd'] / total:.2f} |",
+            f"{xla['dx']:.1f} / {xla['dw']:.1f} | {total:.1f} | {xla['fwd_bwd']:.1f} "
+            f"| {ref['fwd_bwd']:.1f} | {ref['no_nnpack_fwd_bwd']:.1f} "
+            f"| {ref['no_onednn_fwd_bwd']:.1f} | {ref['fwd_bwd'] / xla['fwd_bwd']:.2f} |",
             flush=True,
         )
     weighted = (
-        sum(r["count"] * r["xla_total_ms"] for r in rows),
+        sum(r["count"] * r["xla_ms"]["fwd_bwd"] for r in rows),
         sum(r["count"] * r["torch_ms"]["fwd_bwd"] for r in rows),
     )
     print(
-        f"\nweighted by count: XLA {weighted[0]:.0f} ms, torch {weighted[1]:.0f} ms per step of "
+        f"\nweighted by count, forward and backward in one program each: XLA {weighted[0]:.0f} ms, "
+        f"torch {weighted[1]:.0f} ms per step of "
         "3x3 convs"
     )
     out = pathlib.Path(

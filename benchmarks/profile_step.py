@@ -9,8 +9,11 @@ and put in a class by what it computes (``convolution``, ``dot``, ``transpose/co
 (``cost_analysis``) and the achieved GFLOP/s against this machine's float32 matmul rate
 (a 2048^3 ``jnp.dot``, measured first), the time per class, and the most expensive operations
 with their shapes and the source operation they came from. Tracing slows a step down, so the
-classes are shares of the traced time. Rows run as in ``compare_torch.py``: split over one CPU
-device per core (``--cpu-devices``), the traced time then summing every device's operations.
+classes are shares of the traced time; the coverage printed beside them (traced time over step
+time times devices) says how much of the step the trace matched: convolutions that XLA runs on
+its worker threads can fall outside it, and a row's shares then leave them out. Rows run as in
+``compare_torch.py``: split over one CPU device per core (``--cpu-devices``), the traced time
+then summing every device's operations.
 JSON in ``benchmarks/results/profile_<platform>.json``.
 """
 
@@ -136,6 +139,9 @@ def profile_row(name: str, table: dict, steps: int, top: int) -> dict:
         "gflop": flops / 1e9,
         "gflops_per_s": flops / 1e9 / (step_ms / 1e3),
         "traced_ms": traced,
+        # Operations that run on XLA's worker threads (convolutions) are not all matched to an
+        # instruction: a low coverage says the class shares leave them out.
+        "coverage": traced / (step_ms * jax_step.devices),
         "classes": {k: {"ms": v, "share": v / traced} for k, v in classes.most_common()},
         "top": [
             dict(
@@ -182,6 +188,10 @@ def main():
                 f"\n## {r['workload']} ({r['devices']} device(s)): {r['step_ms']:.1f} ms, "
                 f"{r['gflop']:.1f} GFLOP, "
                 f"{r['gflops_per_s']:.0f} GFLOP/s ({100 * r['gflops_per_s'] / peak:.0f}% of matmul)"
+            )
+            print(
+                f"traced: {r['traced_ms']:.1f} ms of operations per step, "
+                f"{100 * r['coverage']:.0f}% of the step's time on {r['devices']} device(s)"
             )
             print("| class | traced ms | share |\n|---|---|---|")
             for cls, v in r["classes"].items():
