@@ -42,7 +42,7 @@ fi
 export JAX_COMPILATION_CACHE_DIR=/root/.jax_cache
 # Each part runs even when one before it failed (all three are reported); any failure fails.
 status=0
-echo "== newest: the suite (the tests that need no PyTorch: no CPU PyTorch wheel for this Python)"
+echo "== newest: the suite (the tests that need no PyTorch: this environment has none, as a user's JAX install would)"
 $PY -m pytest -n 2 --dist loadgroup -m "not cuda" -p no:cacheprovider tests || status=1
 # The demo's whole pipeline with a few steps per stage (the full demo took 401 s of CI's 40
 # minutes on a 2-core VM; its table there: NEWEST_DEMO_ARGS="" envs/newest.sh).
