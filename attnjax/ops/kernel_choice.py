@@ -15,7 +15,7 @@ it. A program traced on a CPU and compiled for a TPU carries the TPU's kernel.
   shapes of evaluation and sampling would cost more than it could gain. With the timing off:
   XLA's below ``EXPLICIT_MIN_LENGTH_CPU`` (explicit for a forward-only call), explicit below
   ``BLOCKED_MIN_LENGTH_CPU``, blocked above. From ``CPU_TIMED_BELOW`` the linear-memory
-  ``"blocked"`` path, with taller tiles from ``CPU_LONG_BLOCK_FROM``.
+  ``"blocked"`` path, with taller tiles from ``CPU_LONG_BLOCK_FROM`` on a device of several cores.
 * ``"tpu"``: Pallas splash attention (``attnjax.ops.splash``) when it serves the call and both
   lengths reach ``TPU_SPLASH_MIN_LENGTH``; below, the ``[L, S]`` scores are small and XLA's fused
   attention keeps them in one fusion without padding the lengths to the kernel's 128-row tiles.
@@ -30,7 +30,10 @@ timings: no accelerator was measured.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+from attnjax.ops.platform import cpu_cores
 
 # Platforms that get a branch of their own; any other gets the "default" rule.
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -44,7 +47,10 @@ TPU_SPLASH_MIN_LENGTH = 512
 
 DEFAULT_QUERY_BLOCK = 128
 DEFAULT_KEY_BLOCK = 128
-# From 1024 tokens on CPU a taller query tile reuses each key/value tile over more rows.
+# From 1024 tokens, on a CPU device that has several cores, a taller query tile reuses each
+# key/value tile over more rows that XLA splits over the cores; with one device per core
+# (train.py's CPU default) each device computes alone and 128 x 128 tiles, which skip more of the
+# causal triangle, win instead (benchmarks/results/attention_tiles.md).
 CPU_LONG_BLOCK_FROM = 1024
 CPU_LONG_QUERY_BLOCK = 512
 CPU_LONG_KEY_BLOCK = 256
@@ -115,10 +121,25 @@ def cudnn_fallback(query_length: int, key_length: int, head_dim: int, value_dim:
 
 
 def blocked_tiles(platform: str, query_length: int, key_length: int) -> tuple[int, int]:
-    """(query_block, key_block) of the blocked path on a platform."""
-    if platform == "cpu" and max(query_length, key_length) >= CPU_LONG_BLOCK_FROM:
+    """(query_block, key_block) of the blocked path on a platform; on a CPU, for this process's
+    CPU devices."""
+    if (
+        platform == "cpu"
+        and max(query_length, key_length) >= CPU_LONG_BLOCK_FROM
+        and cores_per_cpu_device() > 1
+    ):
         return CPU_LONG_QUERY_BLOCK, CPU_LONG_KEY_BLOCK
     return DEFAULT_QUERY_BLOCK, DEFAULT_KEY_BLOCK
+
+
+def cores_per_cpu_device() -> int:
+    """The cores of this process over its local CPU devices (at least 1; 1 without a CPU
+    backend)."""
+    try:
+        devices = len(jax.local_devices(backend="cpu"))
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+        return 1
+    return max(1, cpu_cores() // devices)
 
 
 def cpu_shape_class(

@@ -138,3 +138,21 @@ def test_one_cpu_timing_serves_every_shape_of_its_class(monkeypatch, tmp_path):
     assert kernel_choice.cpu_shape_class(
         (2, 70, 4, 32), (2, 70, 4, 32), (2, 70, 4, 32), jnp.float32, True, None
     ) == ("queries 128 keys 128 rows 16 dims 32/32 float32 causal True mask None")
+
+
+@pytest.mark.parametrize("cores_per_device", [1, 2])
+def test_cpu_tiles_follow_the_cores_each_device_has(monkeypatch, cores_per_device):
+    # One device per core (train.py's CPU default) takes 128 x 128 tiles at every length; a
+    # device over several cores, the taller tiles from CPU_LONG_BLOCK_FROM tokens
+    # (benchmarks/results/attention_tiles.md).
+    devices = len(jax.local_devices(backend="cpu"))
+    monkeypatch.setattr(kernel_choice, "cpu_cores", lambda: devices * cores_per_device)
+    assert kernel_choice.cores_per_cpu_device() == cores_per_device
+    default = (kernel_choice.DEFAULT_QUERY_BLOCK, kernel_choice.DEFAULT_KEY_BLOCK)
+    tall = (kernel_choice.CPU_LONG_QUERY_BLOCK, kernel_choice.CPU_LONG_KEY_BLOCK)
+    long = kernel_choice.CPU_LONG_BLOCK_FROM
+    assert kernel_choice.blocked_tiles("cpu", long - 1, long - 1) == default
+    assert kernel_choice.blocked_tiles("cpu", long, long) == (
+        tall if cores_per_device > 1 else default
+    )
+    assert kernel_choice.blocked_tiles("tpu", long, long) == default
