@@ -42,6 +42,11 @@ DEFAULT = "default"
 EXPLICIT_MIN_LENGTH_CPU = 64
 BLOCKED_MIN_LENGTH_CPU = 512
 CPU_TIMED_BELOW = 1024
+# Below this many tokens the timing costs more than it can win: in every class of shorter calls
+# timed (benchmarks/results/cpu_rules.md, 16-32 tokens) XLA's fused attention was the fastest
+# forward + backward or within 3% of it, while timing a class compiles three programs (2-3 s of
+# a cold first step on the 2-core VM: benchmarks/results/first_step.md).
+CPU_TIMED_FROM = 64
 BLOCKED_MIN_LENGTH_ACCELERATOR = 4096
 TPU_SPLASH_MIN_LENGTH = 512
 

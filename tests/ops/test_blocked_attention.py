@@ -214,10 +214,10 @@ def test_memory_grows_linearly_with_length():
 @pytest.mark.parametrize("length", [17, kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3])
 @pytest.mark.parametrize("fastest", ["xla", "blocked"])
 def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, length, monkeypatch, tmp_path):
-    """Below CPU_TIMED_BELOW tokens a differentiated call runs the path with the fastest forward
-    + backward, a forward-only call the fastest forward (explicit, untimed, below
-    EXPLICIT_MIN_LENGTH_CPU), each timed once per shape (faked here: outcomes never hang on
-    timing), with the same values and gradients."""
+    """From CPU_TIMED_FROM to CPU_TIMED_BELOW tokens a differentiated call runs the path with the
+    fastest forward + backward, a forward-only call the fastest forward, each timed once per
+    shape (faked here: outcomes never hang on timing), with the same values and gradients.
+    Below CPU_TIMED_FROM nothing is timed: XLA's path with its backward, the explicit forward."""
     cache = tmp_path / "cpu_rules.json"
     monkeypatch.setenv(autotune.ENV_CACHE, str(cache))
     monkeypatch.setattr(autotune, "_enabled", True)
@@ -247,18 +247,21 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, length, mon
     def rules():
         return sorted(name.split(" | ")[0] for name in json.loads(cache.read_text()))
 
-    short = length < kernel_choice.EXPLICIT_MIN_LENGTH_CPU
+    short = length < kernel_choice.CPU_TIMED_FROM
+    assert kernel_choice.CPU_TIMED_FROM <= kernel_choice.EXPLICIT_MIN_LENGTH_CPU
     default = grads(attention.dot_product_attention)
-    assert timed[0] == ["blocked", "explicit", "xla"]
-    # JAX traces the primal of a differentiated call too: its forward is timed, from 64 tokens.
-    assert rules() == ["cpu_attention"] + ["cpu_attention_forward"] * (not short)
     train_text = program(attention.dot_product_attention, True)
-    assert ("while" in train_text) == (fastest == "blocked")
+    assert ("while" in train_text) == (fastest == "blocked" and not short)
     forward_text = program(attention.dot_product_attention, False)
     assert ("while" in forward_text) == (fastest == "blocked" and not short)
-    # The causal and the full mask are two shapes, each timed once per rule.
-    assert rules() == ["cpu_attention"] * 2 + ["cpu_attention_forward"] * 2 * (not short)
-    assert len(timed) == len(rules())
+    if short:
+        assert timed == [] and not cache.exists()
+    else:
+        assert timed[0] == ["blocked", "explicit", "xla"]
+        # The causal and the full mask are two shapes, each timed once per rule (JAX traces
+        # the primal of a differentiated call too: its forward is timed as well).
+        assert rules() == ["cpu_attention"] * 2 + ["cpu_attention_forward"] * 2
+        assert len(timed) == len(rules())
     if short:  # the explicit path: its very numbers
         ours = jax.jit(lambda q: attention.dot_product_attention(q, k, v, mask))(q)
         np.testing.assert_array_equal(ours, EXPLICIT(q, k, v, mask))
