@@ -56,3 +56,18 @@ def _backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
     return compat.xla_backends_started()
+
+
+def run_once_options() -> dict:
+    """XLA compiler options for a CPU program that a run calls once (a model's initialisation,
+    its optimiser's zeros, the run's keys): LLVM's optimisation off, the loop emitters where
+    jaxlib has them, and the code generated on the compiling thread, not in parts on XLA's
+    shared pool, where they would wait behind the train step's compile. Such programs then
+    compile in a fraction of the time and leave the cores to the train step, which compiles
+    beside them; their outputs agree with the default's to float32 rounding
+    (benchmarks/results/first_step.md)."""
+    options = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
+    for flag in compat.xla_cpu_loop_emitter_flags():
+        name, value = flag.removeprefix("--").split("=", 1)
+        options[name] = {"true": True, "false": False}.get(value, value)
+    return options

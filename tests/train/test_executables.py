@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from attnjax import compat, xla_cpu
 from attnjax.train import compilation_cache, executables, host_trees
 
 
@@ -295,6 +296,54 @@ def test_kept_outputs_are_read_back_for_equal_arguments_and_not_for_others(cache
         )
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jitted(other_rng, other_x))
     assert executables.counts()["results_read"] == before + 1
+
+
+def initialiser(rng):
+    """Draws through erf_inv and a matrix product: LLVM's optimisation changes their rounding."""
+    a = jax.random.normal(rng, (64, 32))
+    return {"a": a, "w": a @ jax.random.truncated_normal(rng, -2.0, 2.0, (32, 8))}
+
+
+# XLA's defaults for a training run's programs (the suite's own flags compile unoptimised).
+OPTIMISED = {"xla_backend_optimization_level": 3}
+if compat.xla_cpu_loop_emitter_flags():
+    OPTIMISED["xla_cpu_use_fusion_emitters"] = True
+
+
+def test_run_once_programs_agree_with_optimised_ones_to_float32_rounding():
+    rng = np.asarray(jax.random.PRNGKey(0))
+    optimised = jax.device_get(jax.jit(initialiser, compiler_options=OPTIMISED)(rng))
+    quick = jax.jit(initialiser, compiler_options=xla_cpu.run_once_options())
+    quick = jax.device_get(quick(rng))
+    assert not np.array_equal(optimised["a"], quick["a"])  # two programs, told apart
+    for x, y in zip(jax.tree.leaves(optimised), jax.tree.leaves(quick)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_small_run_once_program_compiles_with_the_run_once_options_a_large_one_without(
+    cache_dir, monkeypatch
+):
+    # Options whose program the suite's default flags do not compile: the outputs tell which ran.
+    monkeypatch.setattr(xla_cpu, "run_once_options", lambda: dict(OPTIMISED))
+    rng = np.asarray(jax.random.PRNGKey(0))
+    plain = jax.device_get(jax.jit(initialiser)(rng))
+    options = jax.device_get(jax.jit(initialiser, compiler_options=OPTIMISED)(rng))
+    assert not np.array_equal(plain["a"], options["a"])
+
+    def once(identity):
+        cache = executables.ExecutableCache(identity)
+        return jax.device_get(cache.cached("init", jax.jit(initialiser), run_once=True)(rng))
+
+    jax.tree.map(np.testing.assert_array_equal, once({"config": 1}), options)
+    jax.tree.map(np.testing.assert_array_equal, once({"config": 1}), options)  # loaded
+    monkeypatch.setattr(executables, "RUN_ONCE_MAX_ELEMENTS", 64 * 32 + 32 * 8 - 1)
+    jax.tree.map(np.testing.assert_array_equal, once({"config": 2}), plain)
+    # executables.jit is the run-once path, its outputs kept or not.
+    config = ml_collections.ConfigDict({"seed": 3})
+    monkeypatch.setattr(executables, "RUN_ONCE_MAX_ELEMENTS", 1 << 23)
+    for keep in (False, True):
+        got = executables.jit(config, f"init_{keep}", initialiser, keep_outputs=keep)(rng)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), options)
 
 
 def test_damaged_kept_outputs_run_the_program_and_are_replaced(cache_dir):
