@@ -21,6 +21,13 @@ import sys
 from attnjax import compat
 
 SWITCH = "ATTNJAX_XLA_CPU_FLAGS"
+# Above this many output elements a run-once program compiles as XLA's defaults have it:
+# unoptimised code draws each initial value about 4x slower (+46 ns an element: ViT-B/16's 86M
+# parameters in 5.6 s instead of 1.6 s), while the compile it saves stops growing with the model
+# (the GPT prior's 0.8M parameters compiled in 1.5 s instead of 3.2 s, ViT-S/16's 22M in 7.0 s
+# instead of 7.1 s; 2-core EPYC VM, benchmarks/results/first_step.md).
+RUN_ONCE_MAX_ELEMENTS = 1 << 23
+RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
 
 
 def _name(flag: str) -> str:
@@ -58,15 +65,17 @@ def _backend_started() -> bool:
     return compat.xla_backends_started()
 
 
-def run_once_options() -> dict:
+def run_once_options(output_elements: int) -> dict | None:
     """XLA compiler options for a CPU program that a run calls once (a model's initialisation,
-    its optimiser's zeros, the run's keys): LLVM's optimisation off, the loop emitters where
-    jaxlib has them, and the code generated on the compiling thread, not in parts on XLA's
-    shared pool, where they would wait behind the train step's compile. Such programs then
-    compile in a fraction of the time and leave the cores to the train step, which compiles
-    beside them; their outputs agree with the default's to float32 rounding
-    (benchmarks/results/first_step.md)."""
-    options = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
+    its optimiser's zeros, the run's keys) and whose outputs hold ``output_elements``: LLVM's
+    optimisation off, the loop emitters where jaxlib has them, and the code generated on the
+    compiling thread, not in parts on XLA's shared pool, where they would wait behind the train
+    step's compile. Such programs compile in a fraction of the time and leave the cores to the
+    train step compiling beside them; their outputs agree with the default's to float32
+    rounding. None (XLA's defaults) above ``RUN_ONCE_MAX_ELEMENTS``."""
+    if output_elements > RUN_ONCE_MAX_ELEMENTS:
+        return None
+    options = dict(RUN_ONCE_OPTIONS)
     for flag in compat.xla_cpu_loop_emitter_flags():
         name, value = flag.removeprefix("--").split("=", 1)
         options[name] = {"true": True, "false": False}.get(value, value)

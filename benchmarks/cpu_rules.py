@@ -180,7 +180,8 @@ def attention_rows(repeats):
                 _, candidates = attention.cpu_path_candidates(q, k, v, None, causal, backward)
                 ms = fastest_ms({name: build() for name, build in candidates.items()}, repeats)
                 name = "attention" if backward else "attention, forward only"
-                rows.append(row(name, shape, chosen, _other(chosen, ms), ms))
+                untimed = " (not timed)" if length < kernel_choice.CPU_TIMED_FROM else ""
+                rows.append(row(name, shape + untimed, chosen, _other(chosen, ms), ms))
             continue
         calls = {}
         tiles = {

@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import numpy as np
+from timing import processor_details
 
 from attnjax.ops.platform import cpu_cores, processor
 
@@ -184,7 +185,8 @@ def row(name: str, directory: pathlib.Path, inputs) -> dict:
 
 def table(rows: list[dict], machine: dict) -> str:
     lines = [
-        f"Machine: {machine['processor']}, {machine['cores']} cores; "
+        f"Machine: {machine['processor']} ({machine.get('details', '')}), {machine['cores']} "
+        "cores; "
         f"jax {machine['jax']}, torch {machine['torch']}; load average "
         f"{machine['load_before']} before, {machine['load_after']} after.",
         "",
@@ -251,6 +253,7 @@ def main() -> None:
 
     machine = dict(
         processor=processor(),
+        details=processor_details(),
         cores=cpu_cores(),
         jax=importlib.metadata.version("jax"),
         torch=importlib.metadata.version("torch"),

@@ -353,10 +353,9 @@ def forward_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> 
 
 def timed_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
     """``"xla"`` (where ``E == Ev``), ``"explicit"`` or ``"blocked"``, whichever runs this call's
-    forward and backward fastest on this processor, timed once per class of shapes
-    (``kernel_choice.cpu_shape_class``; which wins depends on the processor's caches, the batch
-    and the mask); ``default`` with the timing off, the class never timed, or below
-    ``kernel_choice.CPU_TIMED_FROM`` tokens (untimed)."""
+    forward and backward fastest on this processor, timed once per class of shapes (which wins
+    depends on the caches, the batch and the mask: ``kernel_choice.cpu_shape_class``); ``default``
+    with the timing off, the class never timed, or below ``kernel_choice.CPU_TIMED_FROM`` tokens."""
     if max(query.shape[1], key.shape[1]) < kernel_choice.CPU_TIMED_FROM:
         return default
     key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal)

@@ -72,13 +72,6 @@ JAX_SETTINGS = (
     "jax_threefry_partitionable",
 )
 
-# A run-once program (``jit``) with at most this many output elements compiles with
-# ``xla_cpu.run_once_options``: unoptimised code runs each element's initialiser about 4x slower
-# (+46 ns an element, ViT-B/16's 86M parameters 1.6 -> 5.6 s) while the compile it saves stops
-# growing with the model (the GPT prior's 0.8M parameters 3.2 -> 1.5 s, ViT-S/16's 22M 7.1 -> 7.0
-# s): below ~8M elements the unoptimised program is the sooner result (first_step.md).
-RUN_ONCE_MAX_ELEMENTS = 1 << 23
-
 _counts = {"loaded": 0, "written": 0, "load_seconds": 0.0, "results_read": 0, "read_ahead": 0}
 # The programs read ahead (entry path -> future of (platform, program)), and the run whose list of
 # programs this process writes: [its path, the entry names in the order first used].
@@ -169,8 +162,7 @@ class ExecutableCache:
     ) -> Callable:
         """``jitted`` (a ``jax.jit`` function), its programs read from and written to the cache,
         one per argument signature (``listed``: in the run's list that ``read_ahead`` reads;
-        ``run_once``: a program a run calls once, compiled for a sooner result where small,
-        ``RUN_ONCE_MAX_ELEMENTS``)."""
+        ``run_once``: a program a run calls once, ``xla_cpu.run_once_options``)."""
         if self.directory is None:
             return jitted
         programs: dict[str, Callable] = {}
@@ -304,9 +296,8 @@ class ExecutableCache:
     def _compile(self, path: pathlib.Path, lowered, platform: str, run_once=False):
         """``(compiled, whether it was kept at path)``."""
         hits = compilation_cache.counts()["hits"]
-        options = None
-        if run_once and platform == "cpu" and _output_elements(lowered) <= RUN_ONCE_MAX_ELEMENTS:
-            options = xla_cpu.run_once_options()
+        outputs = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lowered.out_info))
+        options = xla_cpu.run_once_options(outputs) if run_once and platform == "cpu" else None
         # XLA:CPU serialises an executable read back from JAX's own cache without its code
         # (loading it fails with "Function ... not found"): a CPU program is compiled past that
         # cache, to be kept. Elsewhere, where compiling takes far longer, the cache may answer.
@@ -440,10 +431,6 @@ def _platform(args) -> str | None:
             return next(iter(devices)).platform
     default = jax.config.jax_default_device  # host arrays only: where they will be placed
     return getattr(default, "platform", default)
-
-
-def _output_elements(lowered) -> int:
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(lowered.out_info))
 
 
 def _device_ids(tree) -> set[int]:

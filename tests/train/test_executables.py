@@ -304,6 +304,10 @@ def initialiser(rng):
     return {"a": a, "w": a @ jax.random.truncated_normal(rng, -2.0, 2.0, (32, 8))}
 
 
+def shifted_initialiser(rng):
+    return initialiser(jax.random.fold_in(rng, 7))
+
+
 # XLA's defaults for a training run's programs (the suite's own flags compile unoptimised).
 OPTIMISED = {"xla_backend_optimization_level": 3}
 if compat.xla_cpu_loop_emitter_flags():
@@ -313,7 +317,7 @@ if compat.xla_cpu_loop_emitter_flags():
 def test_run_once_programs_agree_with_optimised_ones_to_float32_rounding():
     rng = np.asarray(jax.random.PRNGKey(0))
     optimised = jax.device_get(jax.jit(initialiser, compiler_options=OPTIMISED)(rng))
-    quick = jax.jit(initialiser, compiler_options=xla_cpu.run_once_options())
+    quick = jax.jit(initialiser, compiler_options=xla_cpu.run_once_options(64 * 32 + 64 * 8))
     quick = jax.device_get(quick(rng))
     assert not np.array_equal(optimised["a"], quick["a"])  # two programs, told apart
     for x, y in zip(jax.tree.leaves(optimised), jax.tree.leaves(quick)):
@@ -324,26 +328,34 @@ def test_a_small_run_once_program_compiles_with_the_run_once_options_a_large_one
     cache_dir, monkeypatch
 ):
     # Options whose program the suite's default flags do not compile: the outputs tell which ran.
-    monkeypatch.setattr(xla_cpu, "run_once_options", lambda: dict(OPTIMISED))
-    rng = np.asarray(jax.random.PRNGKey(0))
-    plain = jax.device_get(jax.jit(initialiser)(rng))
-    options = jax.device_get(jax.jit(initialiser, compiler_options=OPTIMISED)(rng))
-    assert not np.array_equal(plain["a"], options["a"])
+    bound = 64 * 32 + 64 * 8  # the initialiser's output elements
+    monkeypatch.setattr(xla_cpu, "RUN_ONCE_MAX_ELEMENTS", bound)
+    monkeypatch.setattr(compat, "xla_cpu_loop_emitter_flags", lambda: [])
+    monkeypatch.setattr(xla_cpu, "RUN_ONCE_OPTIONS", OPTIMISED)
+    rng = np.asarray(jax.random.PRNGKey(1))
 
     def once(identity):
         cache = executables.ExecutableCache(identity)
-        return jax.device_get(cache.cached("init", jax.jit(initialiser), run_once=True)(rng))
+        program = cache.cached("init", jax.jit(shifted_initialiser), run_once=True)
+        return jax.device_get(program(rng))
 
-    jax.tree.map(np.testing.assert_array_equal, once({"config": 1}), options)
-    jax.tree.map(np.testing.assert_array_equal, once({"config": 1}), options)  # loaded
-    monkeypatch.setattr(executables, "RUN_ONCE_MAX_ELEMENTS", 64 * 32 + 32 * 8 - 1)
-    jax.tree.map(np.testing.assert_array_equal, once({"config": 2}), plain)
-    # executables.jit is the run-once path, its outputs kept or not.
-    config = ml_collections.ConfigDict({"seed": 3})
-    monkeypatch.setattr(executables, "RUN_ONCE_MAX_ELEMENTS", 1 << 23)
+    # Each kept program compiled before any reference, from a program no other test compiles: an
+    # executable that JAX's persistent cache gave this process (in memory since) is serialised
+    # without its code (executables._compile).
+    small = [once({"config": 1}), once({"config": 1})]  # compiled and kept, then loaded
+    monkeypatch.setattr(xla_cpu, "RUN_ONCE_MAX_ELEMENTS", bound - 1)
+    large = once({"config": 2})
+    monkeypatch.setattr(xla_cpu, "RUN_ONCE_MAX_ELEMENTS", bound)
+    config = ml_collections.ConfigDict({"seed": 3})  # executables.jit: the run-once path
     for keep in (False, True):
-        got = executables.jit(config, f"init_{keep}", initialiser, keep_outputs=keep)(rng)
-        jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), options)
+        program = executables.jit(config, f"init_{keep}", shifted_initialiser, keep_outputs=keep)
+        small.append(jax.device_get(program(rng)))
+    options = jax.device_get(jax.jit(shifted_initialiser, compiler_options=OPTIMISED)(rng))
+    plain = jax.device_get(jax.jit(shifted_initialiser)(rng))
+    assert not np.array_equal(plain["a"], options["a"])
+    for got in small:
+        jax.tree.map(np.testing.assert_array_equal, got, options)
+    jax.tree.map(np.testing.assert_array_equal, large, plain)
 
 
 def test_damaged_kept_outputs_run_the_program_and_are_replaced(cache_dir):
