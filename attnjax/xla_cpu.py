@@ -21,11 +21,11 @@ import sys
 from attnjax import compat
 
 SWITCH = "ATTNJAX_XLA_CPU_FLAGS"
-# Above this many output elements a run-once program compiles as XLA's defaults have it:
-# unoptimised code draws each initial value about 4x slower (+46 ns an element: ViT-B/16's 86M
-# parameters in 5.6 s instead of 1.6 s), while the compile it saves stops growing with the model
-# (the GPT prior's 0.8M parameters compiled in 1.5 s instead of 3.2 s, ViT-S/16's 22M in 7.0 s
-# instead of 7.1 s; 2-core EPYC VM, benchmarks/results/first_step.md).
+# Above this many output elements a run-once program compiles as XLA's defaults have it: the
+# run-once options save 0.9-4.4 s of compiling whatever the model's size, while unoptimised code
+# draws each initial value about 47 ns slower (ViT-B/16's 87M parameters in 4.6 s instead of
+# 0.7 s: 2.7 s lost; ViT-S/16's 22M: 1.2 s saved, within this VM's spread). Up to 8M elements
+# (at most 0.4 s of running) the unoptimised one is sooner (benchmarks/results/run_once.md).
 RUN_ONCE_MAX_ELEMENTS = 1 << 23
 RUN_ONCE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
 
