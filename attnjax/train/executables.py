@@ -278,7 +278,9 @@ class ExecutableCache:
         key = hashlib.sha256(f"{self._base}\n{name}\n{signature}".encode()).hexdigest()
         return self.directory / f"{name}-{key[:32]}{SUFFIX}"
 
-    def _program(self, name, jitted: Callable, args, signature: str, listed: bool, run_once: bool):
+    def _program(
+        self, name: str, jitted: Callable, args, signature: str, listed: bool, run_once: bool
+    ):
         path = self._path(name, signature)
         start, platform = time.perf_counter(), _platform(args) or jax.default_backend()
         loaded = self._load(path, args, platform)
@@ -296,8 +298,10 @@ class ExecutableCache:
     def _compile(self, path: pathlib.Path, lowered, platform: str, run_once=False):
         """``(compiled, whether it was kept at path)``."""
         hits = compilation_cache.counts()["hits"]
-        outputs = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lowered.out_info))
-        options = xla_cpu.run_once_options(outputs) if run_once and platform == "cpu" else None
+        options = None
+        if run_once and platform == "cpu":
+            outputs = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(lowered.out_info))
+            options = xla_cpu.run_once_options(outputs)
         # XLA:CPU serialises an executable read back from JAX's own cache without its code
         # (loading it fails with "Function ... not found"): a CPU program is compiled past that
         # cache, to be kept. Elsewhere, where compiling takes far longer, the cache may answer.
