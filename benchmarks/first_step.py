@@ -29,9 +29,8 @@ import tempfile
 import time
 
 import numpy as np
-from timing import processor_details
 
-from attnjax.ops.platform import cpu_cores, processor
+from attnjax.ops.platform import cpu_cores, processor, processor_details
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

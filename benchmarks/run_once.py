@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 import numpy as np
-from timing import processor_details
+
+from attnjax.ops.platform import processor_details
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parents[1]
