@@ -6,12 +6,12 @@ The rules (``attnjax/ops/convolution.py``, ``kernel_choice.py``, ``parallel/data
   * conv_kernel_gradient: on large maps with idle cores, XLA's kernel-gradient convolution or
     ``kh * kw`` matrix products, timed once per shape on the machine (``attnjax.ops.autotune``);
   * conv_patches: a kernel larger than the map runs as patches x matrix, not XLA's convolution;
-  * attention: up to ``CPU_TIMED_BELOW`` tokens the fused, explicit or blocked path, timed once
-    per class of shapes on the machine (``kernel_choice.cpu_shape_class``: lengths up to a power
-    of two, batch x heads up to a power of four; the row's shape is the one timed for its
-    class), forward + backward for a differentiated call, forward only for
-    the others (explicit, untimed, below ``EXPLICIT_MIN_LENGTH_CPU``); then blocked, with the
-    CPU tile sizes from ``CPU_LONG_BLOCK_FROM`` tokens;
+  * attention: from ``CPU_TIMED_FROM`` up to ``CPU_TIMED_BELOW`` tokens the fused, explicit or
+    blocked path, timed once per class of shapes on the machine (``kernel_choice.cpu_shape_class``:
+    lengths up to a power of two, batch x heads up to a power of four; the row's shape is the one
+    timed for its class), forward + backward for a differentiated call, forward only for the
+    others; below, a fixed rule (rows marked "not timed"); then blocked, with the CPU tile sizes
+    from ``CPU_LONG_BLOCK_FROM`` tokens;
   * cpu_devices: one XLA CPU device per core (the batch split over them) or one device, each
     count in its own process.
 Each row times the chosen path and the alternative alternately (A B A B ...), forward +

@@ -5,17 +5,16 @@ may be lowered for (``PLATFORMS``) and stages the choices with ``jax.lax.platfor
 the kernel is picked for the platform the program is compiled for, not for the host that traces
 it. A program traced on a CPU and compiled for a TPU carries the TPU's kernel.
 
-* ``"cpu"``: below ``CPU_TIMED_BELOW`` tokens the fastest of XLA's fused attention, einsum +
-  softmax (``"explicit"``) and the blocked path, timed once per class of shapes on the machine
-  (``attnjax.ops.autotune``): which wins differs between processors, shapes and loads
-  (benchmarks/results/cpu_rules.md). A differentiated call (training) takes the fastest forward
-  + backward, a forward-only call (inference) the fastest forward: the two rank the paths
-  differently. Below ``EXPLICIT_MIN_LENGTH_CPU`` tokens a forward-only call is not timed: the
-  explicit forward was the fastest at every short shape measured, and timing the many small
-  shapes of evaluation and sampling would cost more than it could gain. With the timing off:
-  XLA's below ``EXPLICIT_MIN_LENGTH_CPU`` (explicit for a forward-only call), explicit below
-  ``BLOCKED_MIN_LENGTH_CPU``, blocked above. From ``CPU_TIMED_BELOW`` the linear-memory
-  ``"blocked"`` path, with taller tiles from ``CPU_LONG_BLOCK_FROM`` on a device of several cores.
+* ``"cpu"``: a fixed rule below ``CPU_TIMED_FROM`` tokens: XLA's fused attention below
+  ``EXPLICIT_MIN_LENGTH_CPU`` (einsum + softmax, ``"explicit"``, for a forward-only call, the
+  fastest forward at every short shape measured), explicit from there. From ``CPU_TIMED_FROM``
+  to ``CPU_TIMED_BELOW`` the fastest of XLA's, explicit and the blocked path, timed once per
+  class of shapes on the machine (``attnjax.ops.autotune``): there which wins differs between
+  processors, shapes and loads (benchmarks/results/cpu_rules.md). A differentiated call
+  (training) takes the fastest forward + backward, a forward-only call (inference) the fastest
+  forward: the two rank the paths differently. With the timing off: the rule, then blocked from
+  ``BLOCKED_MIN_LENGTH_CPU``. From ``CPU_TIMED_BELOW`` the linear-memory ``"blocked"`` path,
+  with taller tiles from ``CPU_LONG_BLOCK_FROM`` on a device of several cores.
 * ``"tpu"``: Pallas splash attention (``attnjax.ops.splash``) when it serves the call and both
   lengths reach ``TPU_SPLASH_MIN_LENGTH``; below, the ``[L, S]`` scores are small and XLA's fused
   attention keeps them in one fusion without padding the lengths to the kernel's 128-row tiles.
@@ -43,10 +42,12 @@ EXPLICIT_MIN_LENGTH_CPU = 64
 BLOCKED_MIN_LENGTH_CPU = 512
 CPU_TIMED_BELOW = 1024
 # Below this many tokens the timing costs more than it can win: in every class of shorter calls
-# timed (benchmarks/results/cpu_rules.md, 16-32 tokens) XLA's fused attention was the fastest
-# forward + backward or within 3% of it, while timing a class compiles three programs (2-3 s of
-# a cold first step on the 2-core VM: benchmarks/results/first_step.md).
-CPU_TIMED_FROM = 64
+# timed (benchmarks/results/cpu_rules.md, 16-256 tokens) the fixed rule's path (XLA's below 64
+# tokens, explicit from there) was the timing's choice or within 3% of it, forward and forward +
+# backward, but for calls of a few ms at exactly 64 tokens, whose fastest path moved between
+# runs; timing a class compiles three programs a rule (7-10 s of ViT-B/16's cold first step on
+# the 2-core VM: benchmarks/results/attention_untimed_band.md).
+CPU_TIMED_FROM = 512
 BLOCKED_MIN_LENGTH_ACCELERATOR = 4096
 TPU_SPLASH_MIN_LENGTH = 512
 

@@ -1,6 +1,6 @@
 """Times the CPU attention choices of a grid of shape classes ahead of time, once per machine:
 
-    python -m attnjax.ops.warm [--lengths 32,64,128,256,512] [--rows 4,16,64] [--dims 32,64]
+    python -m attnjax.ops.warm [--lengths 512,1000] [--rows 4,16,64] [--dims 32,64]
 
 A training run times the classes its own programs meet at its first step; this command fills the
 cache (``attnjax.ops.autotune``) for every class of the grid, forward + backward and forward
@@ -24,9 +24,12 @@ HEADS = 4  # rows = batch * heads; the class rounds rows, not heads
 
 
 def warm(lengths, rows, dims, dtype=jnp.float32) -> list[dict]:
-    """Times every class of the grid not yet in the cache -> one row per class. Lengths from
-    ``kernel_choice.CPU_TIMED_BELOW`` are left out: there the blocked path runs untimed."""
-    lengths = [n for n in lengths if n < kernel_choice.CPU_TIMED_BELOW]
+    """Times every class of the grid not yet in the cache -> one row per class. Lengths outside
+    ``kernel_choice.CPU_TIMED_FROM`` to ``CPU_TIMED_BELOW`` are left out: there a fixed rule
+    runs untimed."""
+    lengths = [
+        n for n in lengths if kernel_choice.CPU_TIMED_FROM <= n < kernel_choice.CPU_TIMED_BELOW
+    ]
     grid = list(itertools.product(lengths, rows, dims, (False, True)))
     done = []
     with autotune.timing_window(), tqdm.tqdm(grid, unit="class", desc="attention classes") as bar:
@@ -59,7 +62,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m attnjax.ops.warm", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--lengths", type=_integers, default=[32, 64, 128, 256, 512])
+    parser.add_argument("--lengths", type=_integers, default=[512, 1000])
     parser.add_argument("--rows", type=_integers, default=[4, 16, 64])
     parser.add_argument("--dims", type=_integers, default=[32, 64])
     args = parser.parse_args(argv)

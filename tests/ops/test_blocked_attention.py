@@ -211,13 +211,17 @@ def test_memory_grows_linearly_with_length():
     assert explicit_large / explicit_small > 8, (explicit_small, explicit_large)
 
 
-@pytest.mark.parametrize("length", [17, kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3])
+@pytest.mark.parametrize(
+    "length",
+    [17, kernel_choice.EXPLICIT_MIN_LENGTH_CPU + 3, kernel_choice.CPU_TIMED_FROM + 3],
+)
 @pytest.mark.parametrize("fastest", ["xla", "blocked"])
 def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, length, monkeypatch, tmp_path):
     """From CPU_TIMED_FROM to CPU_TIMED_BELOW tokens a differentiated call runs the path with the
     fastest forward + backward, a forward-only call the fastest forward, each timed once per
     shape (faked here: outcomes never hang on timing), with the same values and gradients.
-    Below CPU_TIMED_FROM nothing is timed: XLA's path with its backward, the explicit forward."""
+    Below CPU_TIMED_FROM nothing is timed: below EXPLICIT_MIN_LENGTH_CPU XLA's path with its
+    backward and the explicit forward, from there the explicit path both ways."""
     cache = tmp_path / "cpu_rules.json"
     monkeypatch.setenv(autotune.ENV_CACHE, str(cache))
     monkeypatch.setattr(autotune, "_enabled", True)
@@ -248,7 +252,8 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, length, mon
         return sorted(name.split(" | ")[0] for name in json.loads(cache.read_text()))
 
     short = length < kernel_choice.CPU_TIMED_FROM
-    assert kernel_choice.CPU_TIMED_FROM <= kernel_choice.EXPLICIT_MIN_LENGTH_CPU
+    assert kernel_choice.EXPLICIT_MIN_LENGTH_CPU <= kernel_choice.CPU_TIMED_FROM
+    assert kernel_choice.CPU_TIMED_FROM + 3 < kernel_choice.CPU_TIMED_BELOW
     default = grads(attention.dot_product_attention)
     train_text = program(attention.dot_product_attention, True)
     assert ("while" in train_text) == (fastest == "blocked" and not short)
@@ -265,6 +270,9 @@ def test_timed_cpu_band_runs_the_fastest_path_and_caches_it(fastest, length, mon
     if short:  # the explicit path: its very numbers
         ours = jax.jit(lambda q: attention.dot_product_attention(q, k, v, mask))(q)
         np.testing.assert_array_equal(ours, EXPLICIT(q, k, v, mask))
+    if short and length >= kernel_choice.EXPLICIT_MIN_LENGTH_CPU:  # and its gradients
+        for ours, ref in zip(jax.tree.leaves(default), jax.tree.leaves(grads(EXPLICIT))):
+            np.testing.assert_array_equal(ours, ref)
     for ours, ref in zip(jax.tree.leaves(default), jax.tree.leaves(grads(EXPLICIT))):
         assert_close(ours, ref, what=f"{fastest} path against the explicit one")
 

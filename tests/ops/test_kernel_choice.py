@@ -128,12 +128,13 @@ def test_one_cpu_timing_serves_every_shape_of_its_class(monkeypatch, tmp_path):
         return attention.timed_cpu_path(shape, shape, shape, None, True, "explicit")
 
     with autotune.timing_window():
-        assert path(2, 70, 4) == "blocked" and len(timed) == 1
-    assert path(3, 128, 4) == "blocked"  # 128 tokens, 12 rows: the class of 70 tokens, 8 rows
-    assert path(1, 100, 16) == "blocked"
+        assert path(2, 600, 4) == "blocked" and len(timed) == 1
+        # Below CPU_TIMED_FROM the rule's path, untimed even inside the window.
+        assert path(2, kernel_choice.CPU_TIMED_FROM - 1, 4) == "explicit" and len(timed) == 1
+    assert path(3, 1000, 4) == "blocked"  # 1024 tokens, 12 rows: the class of 600 tokens, 8 rows
+    assert path(1, 700, 16) == "blocked"
     assert len(timed) == 1
-    assert path(2, 129, 4) == "explicit"  # 256 tokens: never timed, the default untimed
-    assert path(8, 70, 4) == "explicit"  # 32 rows round up to 64
+    assert path(8, 600, 4) == "explicit"  # 32 rows round up to 64: never timed, the default
     assert len(timed) == 1
     assert kernel_choice.cpu_shape_class(
         (2, 70, 4, 32), (2, 70, 4, 32), (2, 70, 4, 32), jnp.float32, True, None
