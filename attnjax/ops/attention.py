@@ -340,17 +340,13 @@ def _timed_on_cpu(default: str, query, key, value, mask, is_causal: bool, scale)
 
 
 def forward_cpu_path(query, key, value, mask, is_causal: bool, default: str) -> str:
-    """The path of a forward-only call: explicit below ``EXPLICIT_MIN_LENGTH_CPU`` tokens (the
-    fastest forward at every short shape measured, 1.1-2.6x XLA's), ``default`` below
-    ``kernel_choice.CPU_TIMED_FROM``, from there the fastest forward, timed once per class of
-    shapes; ``default`` with the timing off or the class never timed. JAX traces a
-    ``custom_vjp``'s primal also where the call is differentiated: a train step's shapes get this
-    timing too."""
-    length = max(query.shape[1], key.shape[1])
-    if length < kernel_choice.EXPLICIT_MIN_LENGTH_CPU:
+    """The path of a forward-only call: explicit below ``kernel_choice.CPU_TIMED_FROM`` tokens
+    (the timing's choice at every class measured there; 1.1-2.6x XLA's below 64 tokens), from
+    there the fastest forward, timed once per class of shapes; ``default`` with the timing off or
+    the class never timed. JAX traces a ``custom_vjp``'s primal also where the call is
+    differentiated: a train step's shapes get this timing too."""
+    if max(query.shape[1], key.shape[1]) < kernel_choice.CPU_TIMED_FROM:
         return "explicit"
-    if length < kernel_choice.CPU_TIMED_FROM:
-        return default
     key_text, candidates = cpu_path_candidates(query, key, value, mask, is_causal, False)
     return autotune.choose("cpu_attention_forward", key_text, candidates, default=default)
 
