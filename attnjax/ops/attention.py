@@ -243,7 +243,7 @@ def _how(platform: str, implementation: str, query, key, value, automatic: bool)
     blocked path's tiles, whether splash is interpreted, what replaces a cuDNN that refuses
     the call, where the choice was automatic)."""
     length, key_length = query.shape[1], key.shape[1]
-    if platform == "cpu" and automatic and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW:
+    if platform == "cpu" and automatic and kernel_choice.cpu_chosen_by_use(max(length, key_length)):
         return ("timed", implementation)
     if implementation == "blocked":
         return ("blocked", kernel_choice.blocked_tiles(platform, length, key_length))
@@ -319,10 +319,10 @@ def _zero_rows_without_keys(out, keep):
 
 
 def _timed_on_cpu(default: str, query, key, value, mask, is_causal: bool, scale):
-    """The CPU path below ``CPU_TIMED_BELOW`` tokens, chosen for how the call is used: where it
-    is differentiated (training), the fastest forward + backward (``timed_cpu_path``); where
-    not, the fastest forward (``forward_cpu_path``). The two rank the paths differently: at 17
-    tokens XLA's fused attention is the fastest with its backward and the slowest without it
+    """The CPU path where ``kernel_choice.cpu_chosen_by_use``, by how the call is used: where
+    differentiated (training), the fastest forward + backward (``timed_cpu_path``); where not,
+    the fastest forward (``forward_cpu_path``). The two rank the paths differently: at 17 tokens
+    XLA's fused attention is the fastest with its backward and the slowest without it
     (benchmarks/results/cpu_rules.md)."""
 
     def run(path):

@@ -120,6 +120,14 @@ def choose_implementation(
     return _fallback(query_length, key_length, head_dim, value_dim)
 
 
+def cpu_chosen_by_use(length: int) -> bool:
+    """Whether a CPU call of ``length`` tokens may run one path forward only and another where
+    it is differentiated (timed, or XLA's rule against the explicit forward): below
+    ``EXPLICIT_MIN_LENGTH_CPU`` and from ``CPU_TIMED_FROM`` to ``CPU_TIMED_BELOW``. Between
+    them the explicit path serves both."""
+    return length < EXPLICIT_MIN_LENGTH_CPU or CPU_TIMED_FROM <= length < CPU_TIMED_BELOW
+
+
 def cudnn_fallback(query_length: int, key_length: int, head_dim: int, value_dim: int) -> str:
     """What a CUDA program carries where cuDNN refuses a call at trace time (some shapes and
     masks; or no jax CUDA plugin on the host, which lowering cuDNN needs)."""
