@@ -21,7 +21,6 @@ import zipfile
 
 import numpy as np
 from absl import logging
-from scipy import linalg
 
 
 class GaussianStatistics:
@@ -83,6 +82,10 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
         )
     if sigma1.shape != (mu1.shape[0], mu1.shape[0]):
         raise ValueError(f"frechet_distance: sigma {sigma1.shape} does not match mu {mu1.shape}")
+    # Imported here: scipy takes about 0.2 s to import, and every train.py start imports this
+    # module (through the tasks' metrics) while only an FID calls it.
+    from scipy import linalg
+
     diff = mu1 - mu2
     covmean = linalg.sqrtm(sigma1.dot(sigma2))
     if not np.isfinite(covmean).all():
