@@ -1,0 +1,129 @@
+"""Matrix products on one CPU core: XLA's own (Eigen) against YNNPACK's, beside PyTorch, at the
+shapes attnjax's training rows multiply.
+
+    python benchmarks/dot_paths.py [--rounds 15] [--out benchmarks/results/dot_paths_cpu.json]
+
+train.py runs one XLA CPU device per core, so each device's products run on one core: the process
+is pinned to one core, with one XLA device and one torch thread. Every product is compiled twice
+in the same process, with per-program compiler options: YNNPACK for reductions only (what
+``attnjax/xla_cpu.py`` sets: products stay XLA's) and YNNPACK for reductions and products. The
+three sides are called in turn, ``--rounds`` times; a cell is the median. The shapes are
+``[M, K] @ [K, N]``, the forward products of compare_torch.py's rows on one of two devices and
+the weight gradients (``x^T @ dy``) of two of them. Writes the JSON and a Markdown table with the
+machine beside it.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    )
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from attnjax.ops.platform import processor, processor_details  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+# Per-program values of xla_cpu_experimental_ynn_fusion_type (DebugOptions' enum names).
+PATHS = {
+    "XLA": "LIBRARY_FUSION_TYPE_REDUCE",
+    "YNNPACK": "LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_DOT",
+}
+SHAPES = {  # name: (M, K, N)
+    "ViT cifar qkv (64 images x 65 tokens)": (4160, 256, 768),
+    "ViT cifar fc1": (4160, 256, 512),
+    "ViT cifar fc2": (4160, 512, 256),
+    "ViT cifar fc1 weight gradient": (256, 4160, 512),
+    "GPT 8x256 fc1 (8 x 256 tokens)": (2048, 256, 1024),
+    "GPT 8x256 fc2": (2048, 1024, 256),
+    "ViT-B/16 qkv (4 images x 197 tokens)": (788, 768, 2304),
+    "ViT-B/16 fc1": (788, 768, 3072),
+    "ViT-B/16 fc2": (788, 3072, 768),
+    "ViT-B/16 fc1 weight gradient": (768, 788, 3072),
+    "square 2048 x 1024 x 1024": (2048, 1024, 1024),
+}
+
+
+def measure(m: int, k: int, n: int, rounds: int) -> dict:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    programs = {}
+    for path, kinds in PATHS.items():
+        lowered = jax.jit(lambda a, b: a @ b).lower(a, b)
+        programs[path] = lowered.compile({"xla_cpu_experimental_ynn_fusion_type": kinds})
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    calls = {path: (lambda p=p: p(a, b).block_until_ready()) for path, p in programs.items()}
+    calls["torch"] = lambda: ta @ tb
+    seconds = {side: [] for side in calls}
+    for _ in range(rounds + 1):  # the first round warms up
+        for side, call in calls.items():
+            start = time.perf_counter()
+            call()
+            seconds[side].append(time.perf_counter() - start)
+    reference = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(reference).max()
+    outputs = {path: np.asarray(p(a, b)) for path, p in programs.items()}
+    outputs["torch"] = (ta @ tb).numpy()
+    return {
+        "shape": [m, k, n],
+        "ms": {side: 1e3 * float(np.median(s[1:])) for side, s in seconds.items()},
+        "max_error_over_scale": {
+            side: float(np.abs(out - reference).max() / scale) for side, out in outputs.items()
+        },
+        "uses_ynnpack": {path: "ynn" in p.as_text() for path, p in programs.items()},
+    }
+
+
+def table(rows: dict, machine: str) -> str:
+    lines = [
+        "# Matrix products on one CPU core: XLA's own, YNNPACK's, PyTorch's",
+        "",
+        f"`python benchmarks/dot_paths.py`: {machine}; one core, one XLA device, one torch "
+        f"thread; jax {jax.__version__}, torch {torch.__version__}; median of the rounds, ms.",
+        "",
+        "| product | M x K x N | XLA | YNNPACK | torch | XLA / YNNPACK | XLA / torch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        ms = row["ms"]
+        shape = " x ".join(str(d) for d in row["shape"])
+        lines.append(
+            f"| {name} | {shape} | {ms['XLA']:.2f} | {ms['YNNPACK']:.2f} | {ms['torch']:.2f} | "
+            f"{ms['XLA'] / ms['YNNPACK']:.2f} | {ms['XLA'] / ms['torch']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default=str(RESULTS / "dot_paths_cpu.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = {}
+    for name, shape in SHAPES.items():
+        rows[name] = row = measure(*shape, args.rounds)
+        assert row["uses_ynnpack"] == {"XLA": False, "YNNPACK": True}, row["uses_ynnpack"]
+        print(name, {side: round(ms, 2) for side, ms in row["ms"].items()}, flush=True)
+    machine = f"{processor()} ({processor_details()})"
+    out = pathlib.Path(args.out)
+    out.write_text(json.dumps({"machine": machine, "rounds": args.rounds, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(table(rows, machine))
+    print(table(rows, machine))
+
+
+if __name__ == "__main__":
+    main()
