@@ -10,6 +10,7 @@ shifted by each ``(dy, dx)`` in ``[-s, s]^2`` (zero fill): (2s + 1)^2 code seque
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import io
@@ -21,6 +22,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from attnjax import data, storage
@@ -67,12 +70,12 @@ def _params_digest(tree) -> str:
     return digest.hexdigest()
 
 
-def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:
-    """``[H, W, C]`` moved by ``(dy, dx)`` pixels, zero fill."""
-    height, width = image.shape[:2]
+def _shift(images: np.ndarray, dy: int, dx: int) -> np.ndarray:
+    """``[..., H, W, C]`` moved by ``(dy, dx)`` pixels, zero fill."""
+    height, width = images.shape[-3:-1]
     pad = max(abs(dy), abs(dx))
-    padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-    return padded[pad - dy : pad - dy + height, pad - dx : pad - dx + width]
+    padded = np.pad(images, [(0, 0)] * (images.ndim - 3) + [(pad, pad), (pad, pad), (0, 0)])
+    return padded[..., pad - dy : pad - dy + height, pad - dx : pad - dx + width, :]
 
 
 def load_images(data_config, split: str, shifts: int):
@@ -80,9 +83,11 @@ def load_images(data_config, split: str, shifts: int):
     the eval pipeline reads it."""
     images, labels = data.eval_images(data_config, split)
     offsets = [(dy, dx) for dy in range(-shifts, shifts + 1) for dx in range(-shifts, shifts + 1)]
-    shifted = [_shift(image, dy, dx) for image in images for dy, dx in offsets]
+    images = np.asarray(images)
+    # Image by image, each image's shifts in a row: [N, offsets, H, W, C] -> [N * offsets, ...].
+    shifted = np.stack([_shift(images, dy, dx) for dy, dx in offsets], axis=1)
     labels = np.repeat(labels.astype(np.int32), len(offsets))
-    return data.normalize(np.stack(shifted), data_config), labels
+    return data.normalize(shifted.reshape(-1, *images.shape[1:]), data_config), labels
 
 
 def _encode_indices(model, variables, images):
@@ -120,9 +125,17 @@ def encode_split(
             logging.info("prior: codes of %s/%s from the cache %s", data_config.name, split, path)
             return cached["codes"], cached["labels"]
     images, labels = load_images(data_config, split, shifts)
-    # A closure, not a static argument: a VQGAN built from a config holds lists (unhashable).
-    encode = jax.jit(functools.partial(_encode_indices, vqgan.model, vqgan.variables))
-    codes = []
+    # Each batch split over this process's devices (train.py makes one per CPU core): a CPU
+    # device runs on one core. The model is a closure, not a static argument: a VQGAN built from
+    # a config holds lists (unhashable).
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("batch",))
+    batch_size = -(-batch_size // mesh.size) * mesh.size
+    encode = jax.jit(
+        functools.partial(_encode_indices, vqgan.model),
+        in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))),
+    )
+    variables = jax.device_put(vqgan.variables, NamedSharding(mesh, P()))
+    codes, pending = [], collections.deque()
     for start in tqdm(
         range(0, len(images), batch_size),
         desc=f"encoding {split} to codes",
@@ -133,7 +146,11 @@ def encode_split(
         padded = np.concatenate(
             [chunk, np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)]
         )  # one shape, one compilation
-        codes.append(np.asarray(encode(padded))[: len(chunk)].reshape(len(chunk), -1))
+        pending.append((encode(variables, padded), len(chunk)))
+        # A few batches in flight: the next one's transfer overlaps this one's encoding.
+        while len(pending) > 2 or (start + batch_size >= len(images) and pending):
+            indices, count = pending.popleft()
+            codes.append(np.asarray(indices)[:count].reshape(count, -1))
     codes = np.concatenate(codes).astype(np.int32)
     storage.makedirs(cache_dir)
     # Written whole: a killed run leaves no bad cache, and every process of a multi-process run,

@@ -208,6 +208,21 @@ def test_shift_moves_pixels_with_zero_fill():
     assert not moved[0].any() and not moved[:, -1].any()
 
 
+def test_shifted_images_come_image_by_image_each_with_its_shifts_in_order(tiny_vqgan):
+    from attnjax import data
+
+    config = tiny_vqgan.config.data
+    raw, raw_labels = data.eval_images(config, "test")
+    shifted, labels = prior.load_images(config, "test", 1)
+    offsets = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+    assert shifted.shape == (9 * len(raw), *shifted.shape[1:])
+    np.testing.assert_array_equal(labels, np.repeat(raw_labels, 9))
+    for index in (0, 1, len(raw) - 1):
+        for offset, (dy, dx) in enumerate(offsets):
+            expected = data.normalize(vqgan_codes._shift(np.asarray(raw[index]), dy, dx), config)
+            np.testing.assert_array_equal(shifted[9 * index + offset], expected)
+
+
 @pytest.mark.xdist_group("trained_runs")  # with the other readers of the trained runs
 def test_finalize_reports_the_fid_of_samples_on_a_classifiers_pre_logits(trained_runs):
     """``config.fid.classifier``: the domain FID of N samples (classes in turn, the key folded
