@@ -130,11 +130,10 @@ def encode_split(
     # a config holds lists (unhashable).
     mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("batch",))
     batch_size = -(-batch_size // mesh.size) * mesh.size
-    encode = jax.jit(
-        functools.partial(_encode_indices, vqgan.model),
-        in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))),
-    )
+    encode = jax.jit(functools.partial(_encode_indices, vqgan.model))
+    # Placed explicitly: jit refuses numpy inputs with a sharding in a multi-process run.
     variables = jax.device_put(vqgan.variables, NamedSharding(mesh, P()))
+    split_batch = NamedSharding(mesh, P("batch"))
     codes, pending = [], collections.deque()
     for start in tqdm(
         range(0, len(images), batch_size),
@@ -146,7 +145,7 @@ def encode_split(
         padded = np.concatenate(
             [chunk, np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)]
         )  # one shape, one compilation
-        pending.append((encode(variables, padded), len(chunk)))
+        pending.append((encode(variables, jax.device_put(padded, split_batch)), len(chunk)))
         # A few batches in flight: the next one's transfer overlaps this one's encoding.
         while len(pending) > 2 or (start + batch_size >= len(images) and pending):
             indices, count = pending.popleft()
