@@ -131,10 +131,15 @@ def encode_split(
     mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("batch",))
     batch_size = -(-batch_size // mesh.size) * mesh.size
     encode = jax.jit(functools.partial(_encode_indices, vqgan.model))
-    # Placed explicitly: jit refuses numpy inputs with a sharding in a multi-process run.
+    # Both placed explicitly: jit refuses numpy inputs with a sharding in a multi-process run.
     variables = jax.device_put(vqgan.variables, NamedSharding(mesh, P()))
     split_batch = NamedSharding(mesh, P("batch"))
     codes, pending = [], collections.deque()
+
+    def fetch_oldest():
+        indices, count = pending.popleft()
+        codes.append(np.asarray(indices)[:count].reshape(count, -1))
+
     for start in tqdm(
         range(0, len(images), batch_size),
         desc=f"encoding {split} to codes",
@@ -147,9 +152,10 @@ def encode_split(
         )  # one shape, one compilation
         pending.append((encode(variables, jax.device_put(padded, split_batch)), len(chunk)))
         # A few batches in flight: the next one's transfer overlaps this one's encoding.
-        while len(pending) > 2 or (start + batch_size >= len(images) and pending):
-            indices, count = pending.popleft()
-            codes.append(np.asarray(indices)[:count].reshape(count, -1))
+        if len(pending) > 2:
+            fetch_oldest()
+    while pending:
+        fetch_oldest()
     codes = np.concatenate(codes).astype(np.int32)
     storage.makedirs(cache_dir)
     # Written whole: a killed run leaves no bad cache, and every process of a multi-process run,

@@ -215,7 +215,7 @@ def test_shifted_images_come_image_by_image_each_with_its_shifts_in_order(tiny_v
     raw, raw_labels = data.eval_images(config, "test")
     shifted, labels = prior.load_images(config, "test", 1)
     offsets = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
-    assert shifted.shape == (9 * len(raw), *shifted.shape[1:])
+    assert shifted.shape == (9 * len(raw), *np.asarray(raw).shape[1:])
     np.testing.assert_array_equal(labels, np.repeat(raw_labels, 9))
     for index in (0, 1, len(raw) - 1):
         for offset, (dy, dx) in enumerate(offsets):
