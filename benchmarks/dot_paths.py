@@ -60,10 +60,11 @@ def measure(m: int, k: int, n: int, rounds: int) -> dict:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
-    programs = {}
-    for path, kinds in PATHS.items():
-        lowered = jax.jit(lambda a, b: a @ b).lower(a, b)
-        programs[path] = lowered.compile({"xla_cpu_experimental_ynn_fusion_type": kinds})
+    lowered = jax.jit(lambda a, b: a @ b).lower(a, b)
+    programs = {
+        path: lowered.compile({"xla_cpu_experimental_ynn_fusion_type": kinds})
+        for path, kinds in PATHS.items()
+    }
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     calls = {path: (lambda p=p: p(a, b).block_until_ready()) for path, p in programs.items()}
     calls["torch"] = lambda: ta @ tb
