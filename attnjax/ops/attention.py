@@ -217,7 +217,7 @@ def platform_choices(query, key, value, mask, is_causal: bool, timed: bool = Tru
         )
         for platform in (*kernel_choice.PLATFORMS, kernel_choice.DEFAULT)
     }
-    if timed and max(length, key_length) < kernel_choice.CPU_TIMED_BELOW:
+    if timed and kernel_choice.cpu_timed(max(length, key_length)):
         choices["cpu"] = timed_cpu_path(query, key, value, mask, is_causal, choices["cpu"])
     return choices
 

@@ -120,12 +120,18 @@ def choose_implementation(
     return _fallback(query_length, key_length, head_dim, value_dim)
 
 
+def cpu_timed(length: int) -> bool:
+    """Whether the CPU path of a call of ``length`` tokens (the longer of query and key) is timed
+    on the processor: from ``CPU_TIMED_FROM`` to below ``CPU_TIMED_BELOW``."""
+    return CPU_TIMED_FROM <= length < CPU_TIMED_BELOW
+
+
 def cpu_chosen_by_use(length: int) -> bool:
     """Whether a CPU call of ``length`` tokens may run one path forward only and another where
     it is differentiated (timed, or XLA's rule against the explicit forward): below
-    ``EXPLICIT_MIN_LENGTH_CPU`` and from ``CPU_TIMED_FROM`` to ``CPU_TIMED_BELOW``. Between
-    them the explicit path serves both."""
-    return length < EXPLICIT_MIN_LENGTH_CPU or CPU_TIMED_FROM <= length < CPU_TIMED_BELOW
+    ``EXPLICIT_MIN_LENGTH_CPU`` and where ``cpu_timed``. Between them the explicit path serves
+    both."""
+    return length < EXPLICIT_MIN_LENGTH_CPU or cpu_timed(length)
 
 
 def cudnn_fallback(query_length: int, key_length: int, head_dim: int, value_dim: int) -> str:

@@ -27,9 +27,7 @@ def warm(lengths, rows, dims, dtype=jnp.float32) -> list[dict]:
     """Times every class of the grid not yet in the cache -> one row per class. Lengths outside
     ``kernel_choice.CPU_TIMED_FROM`` to ``CPU_TIMED_BELOW`` are left out: there a fixed rule
     runs untimed."""
-    lengths = [
-        n for n in lengths if kernel_choice.CPU_TIMED_FROM <= n < kernel_choice.CPU_TIMED_BELOW
-    ]
+    lengths = [n for n in lengths if kernel_choice.cpu_timed(n)]
     grid = list(itertools.product(lengths, rows, dims, (False, True)))
     done = []
     with autotune.timing_window(), tqdm.tqdm(grid, unit="class", desc="attention classes") as bar:
