@@ -11,6 +11,13 @@ these, not the wall time of a test beside another one, say what a change saves. 
 reads getrusage for itself and for its children that have ended (the processes a test waits for;
 a process killed and reaped counts too). PYTEST ARGS replace the default selection
 (``-m "not cuda" tests``).
+
+Beside the CPU, JAX's own account of its stages (``jax.monitoring``'s durations): seconds spent
+tracing, lowering to MLIR and compiling in XLA, the count of programs compiled, and how many the
+persistent compilation cache answered; for the test's own process and, through
+``suite_cpu_site/sitecustomize.py`` on the workers' ``PYTHONPATH``, for each Python process a test
+starts that ends by returning (one killed by a signal or ended by ``os._exit`` leaves no account:
+its CPU is in the processes column, its stages are not).
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ from attnjax.ops.platform import cpu_cores, processor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = "SUITE_CPU_DIR"  # where each worker writes its rows (set by main for the workers)
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_cpu_site")
+sys.path.insert(0, SITE)
+import suite_cpu_stages as stages  # noqa: E402  (JAX's stage durations in this process)
+
+if hasattr(sys.modules.get("sitecustomize"), "REPORTED_BY_PLUGIN"):  # ours: rows report this one
+    sys.modules["sitecustomize"].REPORTED_BY_PLUGIN = True
+
 _rows: list[dict] = []
 
 
@@ -43,9 +57,11 @@ def _cpu() -> tuple[float, float]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     own, children = _cpu()
+    before = stages.snapshot()
     start = time.monotonic()
     yield
     own_after, children_after = _cpu()
+    own_stages = stages.difference(stages.snapshot(), before)
     _rows.append(
         dict(
             test=item.nodeid.split("@")[0],
@@ -53,6 +69,7 @@ def pytest_runtest_protocol(item, nextitem):
             own=own_after - own,
             children=children_after - children,
             worker=os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            stages=own_stages,
         )
     )
 
@@ -65,11 +82,15 @@ def pytest_sessionfinish(session):
 
 
 def _table(rows, key, limit):
-    grouped = collections.defaultdict(lambda: dict(own=0.0, children=0.0, wall=0.0, tests=0))
+    grouped = collections.defaultdict(
+        lambda: dict(own=0.0, children=0.0, wall=0.0, tests=0, **dict.fromkeys(stages.FIELDS, 0.0))
+    )
     for row in rows:
         entry = grouped[key(row)]
         for field in ("own", "children", "wall"):
             entry[field] += row[field]
+        for field in stages.FIELDS:
+            entry[field] += row["stages"][field] + row["process_stages"][field]
         entry["tests"] += 1
     ordered = sorted(grouped.items(), key=lambda kv: -(kv[1]["own"] + kv[1]["children"]))
     return [dict(name=name, **{k: round(v, 1) for k, v in e.items()}) for name, e in ordered][
@@ -92,19 +113,49 @@ def _markdown(result) -> str:
         + ". Outside the tests (start-up, collection, the workers' exits): "
         f"{result['outside_tests_seconds']:.1f} s of wall time.",
     ]
+    jax_stages, accounted = result["stages"], result["accounted_processes"]
+    lines += [
+        "",
+        f"JAX's stages (`jax.monitoring`), in the tests' own processes and in the "
+        f"{accounted['processes']} processes they started that ended normally "
+        f"({accounted['cpu']:.1f} s of the processes' {result['children_seconds']:.1f} s of CPU; "
+        f"a killed process leaves no account): tracing {jax_stages['tracing']:.1f} s, "
+        f"lowering {jax_stages['lowering']:.1f} s, compiling {jax_stages['compiling']:.1f} s "
+        f"({jax_stages['programs']:.0f} programs, "
+        f"{jax_stages['cache_hits']:.0f} of them read from the persistent compilation cache).",
+    ]
     for title, rows in (("test file", result["files"]), ("test", result["slowest"])):
         lines += [
             "",
-            f"| {title} | CPU (s) | share | own | processes | wall (s) | tests |",
-            "|---|---|---|---|---|---|---|",
+            f"| {title} | CPU (s) | share | own | processes | wall (s) | tests | tracing | "
+            "lowering | compiling | programs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             cpu = row["own"] + row["children"]
             lines.append(
                 f"| {row['name']} | {cpu:.1f} | {cpu / total:.1%} | {row['own']:.1f} | "
-                f"{row['children']:.1f} | {row['wall']:.1f} | {row['tests']} |"
+                f"{row['children']:.1f} | {row['wall']:.1f} | {row['tests']} | "
+                f"{row['tracing']:.1f} | {row['lowering']:.1f} | {row['compiling']:.1f} | "
+                f"{row['programs']:.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def collect(out: str) -> tuple[list[dict], list[dict]]:
+    """The workers' rows, each with ``process_stages`` summed over the accounts of the processes
+    its test started, and those accounts -> ``(rows, accounts)``."""
+    rows, accounts = [], []
+    for name in sorted(os.listdir(out)):
+        with open(os.path.join(out, name)) as f:
+            (accounts.append if name.startswith("process-") else rows.extend)(json.load(f))
+    by_test = collections.defaultdict(lambda: dict.fromkeys(stages.FIELDS, 0.0))
+    for account in accounts:
+        for field in stages.FIELDS:
+            by_test[account["test"]][field] += account["stages"][field]
+    for row in rows:
+        row["process_stages"] = {k: round(v, 3) for k, v in by_test[row["test"]].items()}
+    return rows, accounts
 
 
 def main(argv=None) -> int:
@@ -116,16 +167,13 @@ def main(argv=None) -> int:
     command = ["-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "suite_cpu", *selection]
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, **{OUT_DIR: out})
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")])
-        )
+        # The plugin's folder for pytest, SITE for every Python process the suite starts.
+        here = os.path.dirname(os.path.abspath(__file__))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, SITE, env.get("PYTHONPATH")]))
         start = time.monotonic()
         status = subprocess.run([sys.executable, *command], cwd=ROOT, env=env).returncode
         wall = time.monotonic() - start
-        rows = []
-        for name in sorted(os.listdir(out)):
-            with open(os.path.join(out, name)) as f:
-                rows += json.load(f)
+        rows, processes = collect(out)
     if not rows:
         print(f"suite_cpu: no test ran (pytest exit status {status})", file=sys.stderr)
         return 1
@@ -135,6 +183,10 @@ def main(argv=None) -> int:
         worker_wall[row["worker"]] += row["wall"]
     own = sum(row["own"] for row in rows)
     children = sum(row["children"] for row in rows)
+    totals = {
+        field: round(sum(row["stages"][field] + row["process_stages"][field] for row in rows), 1)
+        for field in stages.FIELDS
+    }
     result = dict(
         command="python " + " ".join(command),
         machine=f"{processor()}, {cpu_cores()} cores",
@@ -145,6 +197,10 @@ def main(argv=None) -> int:
         own_seconds=round(own, 1),
         children_seconds=round(children, 1),
         per_worker={w: round(s, 1) for w, s in worker_cpu.items()},
+        stages=totals,
+        accounted_processes=dict(
+            processes=len(processes), cpu=round(sum(p["cpu"] for p in processes), 1)
+        ),
         outside_tests_seconds=round(wall - max(worker_wall.values()), 1),
         files=_table(rows, lambda r: r["test"].split("::")[0], 40),
         slowest=_table(rows, lambda r: r["test"], 30),
