@@ -12,12 +12,13 @@ reads getrusage for itself and for its children that have ended (the processes a
 a process killed and reaped counts too). PYTEST ARGS replace the default selection
 (``-m "not cuda" tests``).
 
-Beside the CPU, JAX's own account of its stages (``jax.monitoring``'s durations): seconds spent
-tracing, lowering to MLIR and compiling in XLA, the count of programs compiled, and how many the
-persistent compilation cache answered; for the test's own process and, through
+Beside the CPU, JAX's own account of its stages (``jax.monitoring``'s durations): wall seconds
+spent tracing, lowering to MLIR and compiling in XLA, the count of programs compiled, and how many
+the persistent compilation cache answered; for the test's own process and, through
 ``suite_cpu_site/sitecustomize.py`` on the workers' ``PYTHONPATH``, for each Python process a test
-starts that ends by returning (one killed by a signal or ended by ``os._exit`` leaves no account:
-its CPU is in the processes column, its stages are not).
+starts that ends by returning (one killed by a signal or ended by ``os._exit``, or started with a
+``PYTHONPATH`` of its own, leaves no account: its CPU is in the processes column, its stages are
+not).
 """
 
 from __future__ import annotations
@@ -116,10 +117,11 @@ def _markdown(result) -> str:
     jax_stages, accounted = result["stages"], result["accounted_processes"]
     lines += [
         "",
-        f"JAX's stages (`jax.monitoring`), in the tests' own processes and in the "
-        f"{accounted['processes']} processes they started that ended normally "
-        f"({accounted['cpu']:.1f} s of the processes' {result['children_seconds']:.1f} s of CPU; "
-        f"a killed process leaves no account): tracing {jax_stages['tracing']:.1f} s, "
+        "JAX's stages (`jax.monitoring`: wall seconds inside each, summed over threads, waits "
+        f"for a core included), in the tests' own processes and in the {accounted['processes']} "
+        f"processes they started that reported at exit ({accounted['cpu']:.1f} s of the "
+        f"processes' {result['children_seconds']:.1f} s of CPU; a killed process, or one started "
+        f"with its own PYTHONPATH, leaves no account): tracing {jax_stages['tracing']:.1f} s, "
         f"lowering {jax_stages['lowering']:.1f} s, compiling {jax_stages['compiling']:.1f} s "
         f"({jax_stages['programs']:.0f} programs, "
         f"{jax_stages['cache_hits']:.0f} of them read from the persistent compilation cache).",

@@ -2,6 +2,12 @@
 and counts of tracing, lowering to MLIR, and XLA's compile (or a persistent-cache read: JAX times
 both as one stage), and the cache's hits, summed from ``jax.monitoring``'s events.
 
+JAX times each stage on the calling thread's clock: these are wall seconds inside the stage
+(a program compiling on a thread beside the main one counts on both), which on a busy machine
+include waiting for a core. A jit traced inside another's trace reports its own duration, which
+the outer one's contains: each thread's stage time is the length of the union of its intervals,
+so nested traces count once.
+
 Importing this module never imports jax: the listeners are registered when jax is first imported
 (at once where it is imported already), so a process that never uses jax pays nothing for it."""
 
@@ -11,6 +17,7 @@ import importlib.abc
 import importlib.util
 import sys
 import threading
+import time
 
 STAGES = {
     "/jax/core/compile/jaxpr_trace_duration": "tracing",
@@ -23,15 +30,26 @@ FIELDS = ("tracing", "lowering", "compiling", "programs", "cache_hits")
 _totals = dict.fromkeys(FIELDS, 0.0)
 _lock = threading.Lock()
 _registered = False
+# (thread, stage) -> the intervals counted so far that no later one contains: disjoint, in order.
+_outermost: dict[tuple[int, str], list[tuple[float, float]]] = {}
+NESTED_SLACK = 1e-3  # seconds: a nested interval's start is known only to the callbacks' latency
 
 
 def _on_duration(event: str, seconds: float, **_) -> None:
     stage = STAGES.get(event)
-    if stage is not None:
-        with _lock:
-            _totals[stage] += seconds
-            if stage == "compiling":
-                _totals["programs"] += 1
+    if stage is None:
+        return
+    end = time.monotonic()  # the listener runs as the stage ends
+    start = end - seconds
+    with _lock:
+        intervals = _outermost.setdefault((threading.get_ident(), stage), [])
+        while intervals and intervals[-1][0] >= start - NESTED_SLACK:
+            inner_start, inner_end = intervals.pop()
+            _totals[stage] -= inner_end - inner_start
+        intervals.append((start, end))
+        _totals[stage] += seconds
+        if stage == "compiling":
+            _totals["programs"] += 1
 
 
 def _on_event(event: str, **_) -> None:

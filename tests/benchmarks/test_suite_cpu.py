@@ -45,3 +45,14 @@ def test_a_started_process_reports_its_stages_under_its_test(tmp_path):
     assert rows[0]["process_stages"] == {k: round(v, 3) for k, v in stages.items()}
     (file_row,) = suite_cpu._table(rows, lambda r: r["test"].split("::")[0], 10)
     assert file_row["programs"] == 2 * stages["programs"]  # the own process's and the started one's
+
+
+def test_a_stage_nested_in_another_counts_once():
+    stages = suite_cpu.stages
+    trace = next(e for e, stage in stages.STAGES.items() if stage == "tracing")
+    before = stages.snapshot()
+    stages._on_duration(trace, 0.5)  # an inner trace, ending now
+    stages._on_duration(trace, 2.0)  # the trace around it, ending a moment later
+    stages._on_duration(trace, 0.25)  # one that does not contain the last: counted as well
+    added = stages.difference(stages.snapshot(), before)
+    assert abs(added["tracing"] - 2.25) < 0.01, added
