@@ -65,7 +65,7 @@ def pytest_runtest_protocol(item, nextitem):
     own_stages = stages.difference(stages.snapshot(), before)
     _rows.append(
         dict(
-            test=item.nodeid.split("@")[0],
+            test=stages.test_name(item.nodeid),
             wall=time.monotonic() - start,
             own=own_after - own,
             children=children_after - children,
@@ -90,8 +90,8 @@ def _table(rows, key, limit):
         entry = grouped[key(row)]
         for field in ("own", "children", "wall"):
             entry[field] += row[field]
-        for field in stages.FIELDS:
-            entry[field] += row["stages"][field] + row["process_stages"][field]
+        for field, seconds in _stages(row).items():
+            entry[field] += seconds
         entry["tests"] += 1
     ordered = sorted(grouped.items(), key=lambda kv: -(kv[1]["own"] + kv[1]["children"]))
     return [dict(name=name, **{k: round(v, 1) for k, v in e.items()}) for name, e in ordered][
@@ -144,13 +144,21 @@ def _markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stages(row) -> dict:
+    """A row's JAX stages: its test's own process and the processes it started together."""
+    return {f: row["stages"][f] + row["process_stages"][f] for f in stages.FIELDS}
+
+
 def collect(out: str) -> tuple[list[dict], list[dict]]:
     """The workers' rows, each with ``process_stages`` summed over the accounts of the processes
     its test started, and those accounts -> ``(rows, accounts)``."""
     rows, accounts = [], []
     for name in sorted(os.listdir(out)):
         with open(os.path.join(out, name)) as f:
-            (accounts.append if name.startswith("process-") else rows.extend)(json.load(f))
+            if name.startswith("process-"):
+                accounts.append(json.load(f))
+            else:
+                rows.extend(json.load(f))
     by_test = collections.defaultdict(lambda: dict.fromkeys(stages.FIELDS, 0.0))
     for account in accounts:
         for field in stages.FIELDS:
@@ -185,10 +193,7 @@ def main(argv=None) -> int:
         worker_wall[row["worker"]] += row["wall"]
     own = sum(row["own"] for row in rows)
     children = sum(row["children"] for row in rows)
-    totals = {
-        field: round(sum(row["stages"][field] + row["process_stages"][field] for row in rows), 1)
-        for field in stages.FIELDS
-    }
+    totals = {field: round(sum(_stages(row)[field] for row in rows), 1) for field in stages.FIELDS}
     result = dict(
         command="python " + " ".join(command),
         machine=f"{processor()}, {cpu_cores()} cores",

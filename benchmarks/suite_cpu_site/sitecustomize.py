@@ -20,7 +20,7 @@ def _write_account() -> None:
         return
     usage = resource.getrusage(resource.RUSAGE_SELF)
     account = dict(
-        test=test.rsplit(" (", 1)[0].split("@")[0],
+        test=stages.test_name(test.rsplit(" (", 1)[0]),  # "<nodeid> (<phase>)"
         cpu=round(usage.ru_utime + usage.ru_stime, 3),
         stages=stages.snapshot(),
     )

@@ -95,6 +95,11 @@ def install() -> None:
         sys.meta_path.insert(0, _AfterJax())
 
 
+def test_name(nodeid: str) -> str:
+    """A test's id as the suite's rows name it: without pytest-xdist's ``@group`` suffix."""
+    return nodeid.split("@")[0]
+
+
 def snapshot() -> dict:
     with _lock:
         return dict(_totals)
