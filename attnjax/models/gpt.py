@@ -32,6 +32,7 @@ The samplers live in ``attnjax.models.sampling``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention, feed_forward_axes
+from attnjax.ops.dense import rows_dot_general
 
 Array = jax.Array
 _INIT = nn.initializers.normal(stddev=0.02)  # minGPT's init for Linear and Embedding weights
@@ -68,9 +70,12 @@ class GPTMlp(nn.Module):
     @nn.compact
     def __call__(self, x, *, deterministic: bool = True):
         width = x.shape[-1]
-        x = nn.Dense(4 * width, kernel_init=_INIT, dtype=self.dtype, name="fc1")(x)
+        dense = functools.partial(
+            nn.Dense, kernel_init=_INIT, dtype=self.dtype, dot_general=rows_dot_general
+        )
+        x = dense(4 * width, name="fc1")(x)
         x = nn.gelu(x, approximate=False)
-        x = nn.Dense(width, kernel_init=_INIT, dtype=self.dtype, name="fc2")(x)
+        x = dense(width, name="fc2")(x)
         return nn.Dropout(self.resid_pdrop)(x, deterministic=deterministic)
 
 
@@ -182,7 +187,12 @@ class GPT(nn.Module):
             )(x, deterministic)
         x = nn.LayerNorm(epsilon=_LN_EPS, dtype=self.dtype, name="ln_f")(x)
         head = nn.Dense(
-            self.padded_vocab_size, use_bias=False, kernel_init=_INIT, dtype=self.dtype, name="head"
+            self.padded_vocab_size,
+            use_bias=False,
+            kernel_init=_INIT,
+            dtype=self.dtype,
+            dot_general=rows_dot_general,
+            name="head",
         )
         logits = head(x).astype(jnp.float32)  # the loss and the sampler's filters in float32
         if self.padded_vocab_size > self.vocab_size:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from attnjax.ops.attention import check_ranks, dot_product_attention
+from attnjax.ops.dense import rows_dot_general
 from attnjax.ops.masks import check_mask_shape, combine_masks
 
 Array = jax.Array
@@ -157,6 +158,7 @@ class MultiHeadAttention(nn.Module):
         value_dim = self.value_dim or head_dim
         dense = functools.partial(
             nn.Dense,
+            dot_general=rows_dot_general,
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention, feed_forward_axes
+from attnjax.ops.dense import rows_dot_general
 
 # Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attentions', and the feed-forward's hidden units.
@@ -116,7 +117,12 @@ class _TransformerSettings(nn.Module):
 
     def _feed_forward(self, x, deterministic: bool):
         """``linear2(dropout(activation(linear1(x))))`` then the residual branch's dropout."""
-        dense = dict(use_bias=self.bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = dict(
+            use_bias=self.bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            dot_general=rows_dot_general,
+        )
         x = nn.Dense(self.dim_feedforward, name="linear1", **dense)(x)
         x = nn.Dropout(self.dropout)(_ACTIVATIONS[self.activation](x), deterministic)
         x = nn.Dense(self.d_model, name="linear2", **dense)(x)

@@ -39,6 +39,7 @@ from attnjax.models.multihead import feed_forward_axes
 from attnjax.models.patches import pair, patchify
 from attnjax.models.position_embedding import LearnedPositionEmbedding
 from attnjax.models.vit_blocks import EncoderBlock, layer_norm
+from attnjax.ops.dense import rows_dot_general
 from attnjax.ops.positional import sincos_2d_encoding
 
 Array = jax.Array
@@ -199,7 +200,11 @@ class ViT(nn.Module):
         ph, pw = pair(self.patch_size, "patch_size", "ViT")
         grid_h, grid_w = images.shape[1] // ph, images.shape[2] // pw
         x = nn.Dense(
-            self.width, dtype=self.dtype, param_dtype=self.param_dtype, name="patch_embed"
+            self.width,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            dot_general=rows_dot_general,
+            name="patch_embed",
         )(x)
         if self.posemb == "sincos2d":
             x = x + sincos_2d_encoding(grid_h, grid_w, self.width).astype(x.dtype)[None]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from attnjax.models.multihead import MultiHeadAttention
+from attnjax.ops.dense import rows_dot_general
 
 
 def layer_norm(module: nn.Module, name: str) -> nn.LayerNorm:
@@ -52,6 +53,7 @@ class ViTMlp(nn.Module):
     def __call__(self, x):
         dense = functools.partial(
             nn.Dense,
+            dot_general=rows_dot_general,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.initializers.xavier_uniform(),
