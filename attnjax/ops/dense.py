@@ -40,6 +40,9 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
         lhs.ndim <= 2
         or dimension_numbers != dense
         or rhs.ndim != 2
+        # A symbolic size (an export for any batch): such programs are inference, whose forward
+        # product reads its operands in place either way.
+        or not all(isinstance(size, int) for size in lhs.shape)
         or lhs.size < MERGE_MIN_ELEMENTS
     ):
         return plain(lhs, rhs)

@@ -61,6 +61,9 @@ def test_other_contractions_pass_through_unchanged():
     assert staged(jnp.ones(SHAPE))
     assert not staged(jnp.ones((SHAPE[0] * SHAPE[1], SHAPE[2])))  # already one matrix
     assert not staged(jnp.ones((2, 3, 5)))  # under MERGE_MIN_ELEMENTS: the copies cost less
+    # Any batch (a shape-polymorphic export): no size to compare, the product as written.
+    batch = jax.export.symbolic_shape("b")[0]
+    assert not staged(jax.ShapeDtypeStruct((batch, *SHAPE[1:]), jnp.float32))
 
 
 def _gradient_program(dot_general):
