@@ -4,12 +4,12 @@ rounds.
 
     python benchmarks/dense_rows_cpu.py [--rows vit_ti16,vit_b16,gpt] [--rounds 6] [--repeats 1]
 
-The plain program is the same model traced with ``lax.dot_general`` in place of
-``rows_dot_general``; both compute the same loss and gradients (checked: within 1e-5 of the
-largest magnitude of each gradient, but for gradients that are zero up to rounding, such as the
-attention's key bias). Per row: each program's fusions and the copies XLA:CPU made of an operand
-transposed for a kernel's gradient, compile seconds and the median step of each round. Writes
-benchmarks/results/dense_rows_cpu.{json,md} with the machine.
+The plain program is the same model traced with the merge off (``MERGE_MIN_ELEMENTS`` beyond any
+input, so every Dense takes ``lax.dot_general`` as written); both compute the same loss and
+gradients (checked: within 1e-5 of the largest magnitude of each gradient, but for gradients that
+are zero up to rounding, such as the attention's key bias). Per row: each program's fusions and
+the copies XLA:CPU made of an operand transposed for a kernel's gradient, compile seconds and the
+median step of each round. Writes benchmarks/results/dense_rows_cpu.{json,md} with the machine.
 """
 
 from __future__ import annotations
@@ -25,27 +25,25 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from timing import median_seconds
 
-from attnjax.models import gpt, multihead, transformer, vit, vit_blocks
-from attnjax.ops.dense import rows_dot_general
+from attnjax.models import gpt, vit
+from attnjax.ops import dense
 from attnjax.ops.platform import cpu_cores, processor
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-USERS = (multihead, vit_blocks, vit, gpt, transformer)  # every module that builds its Dense so
 
 
 @contextlib.contextmanager
-def products(dot_general):
-    """The models built with ``dot_general`` for their Dense layers while inside."""
-    for module in USERS:
-        module.rows_dot_general = dot_general
+def merge(on: bool):
+    """Programs traced inside merge their Dense layers' rows where ``attnjax.ops.dense`` would,
+    or (``on=False``) nowhere."""
+    threshold = dense.MERGE_MIN_ELEMENTS
+    dense.MERGE_MIN_ELEMENTS = threshold if on else float("inf")
     try:
         yield
     finally:
-        for module in USERS:
-            module.rows_dot_general = rows_dot_general
+        dense.MERGE_MIN_ELEMENTS = threshold
 
 
 def vit_row(variant: str, batch: int):
@@ -88,18 +86,18 @@ def transposed_copies(text: str) -> int:
     """Fusions or copies whose output is a 2-D array with more columns than rows of 512 or more:
     an operand laid out as [features, batch * tokens] for a kernel's gradient."""
     found = re.findall(r"= f32\[(\d+),(\d+)\]\S* (?:fusion|copy|transpose)\(", text)
-    return sum(1 for a, b in found if int(b) >= 512 and int(b) > int(a) and "bitcast" not in a)
+    return sum(1 for a, b in found if int(b) >= 512 and int(b) > int(a))
 
 
 def measure(name: str, rounds: int, repeats: int) -> dict:
     description, loss, params = ROWS[name]()
     programs, result = {}, {"workload": description}
-    for label, dot_general in (("plain", lax.dot_general), ("rows", rows_dot_general)):
-        with products(dot_general):
+    for label, on in (("plain", False), ("rows", True)):
+        with merge(on):
             start = time.perf_counter()
             programs[label] = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+            result[f"{label}_compile_s"] = time.perf_counter() - start
         text = programs[label].as_text()
-        result[f"{label}_compile_s"] = time.perf_counter() - start
         result[f"{label}_fusions"] = text.count(" fusion(")
         result[f"{label}_transposed_copies"] = transposed_copies(text)
     outputs = {label: program(params) for label, program in programs.items()}
