@@ -56,6 +56,9 @@ class Jax:
         else:
             self.devices = 1
         jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
+        # The same program with nothing donated, for callers that compile it again under other
+        # options and call it more than once on one state (step_options.py).
+        self.undonated = jax.jit(fn) if donate else jitted
         start = time.perf_counter()
         self.compiled = jitted.lower(state, *inputs).compile()
         self.compile_s = time.perf_counter() - start
