@@ -65,6 +65,20 @@ def measure(step, options: dict, rounds: int) -> dict:
     return result
 
 
+def compiler_options(flag: str, text: str) -> dict:
+    """``--a``/``--b``'s JSON object, or a one-line error naming the flag and its value."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        value = error
+    if not isinstance(value, dict):
+        raise SystemExit(
+            f"--{flag}={text!r}: expected a JSON object of XLA options, e.g. "
+            "'{\"xla_backend_optimization_level\": 1}'"
+        )
+    return value
+
+
 def table(results: dict, machine: dict) -> str:
     lines = [
         f"Machine: {machine['processor']}, {machine['cores']} cores, {machine['devices']} CPU "
@@ -96,7 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--name", required=True, help="the results' file name suffix")
     args = parser.parse_args()
-    options = {"a": json.loads(args.a), "b": json.loads(args.b)}
+    options = {"a": compiler_options("a", args.a), "b": compiler_options("b", args.b)}
     use_devices(0)  # one XLA device per core, as train.py runs
     results = {}
     with tempfile.TemporaryDirectory() as directory:
