@@ -39,7 +39,7 @@ def worker(devices: int, rounds: int, repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from timing import median_seconds
+    from timing import alternating_ms
 
     from attnjax.ops import blocked_attention
 
@@ -62,10 +62,7 @@ def worker(devices: int, rounds: int, repeats: int) -> list[dict]:
             split = (0, 0, 0) if batch % devices == 0 and batch > 1 else (2, 2, 2)
             steps[name] = Jax(grads, (), q, k, v, split=split)
             steps[name]()
-        ms = {name: [] for name in TILES}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                ms[name].append(1e3 * median_seconds(step, repeats))
+        ms = alternating_ms(steps, rounds, repeats)
         rows.append(
             dict(
                 devices=steps["128x128"].devices,

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_seconds
+from timing import alternating_ms
 
 from attnjax.models import gpt, vit
 from attnjax.ops import dense
@@ -109,12 +109,12 @@ def measure(name: str, rounds: int, repeats: int) -> dict:
     result["max_gradient_difference"] = worst
     for program in programs.values():
         jax.block_until_ready(program(params))
-    for label in programs:
-        result[f"{label}_ms"] = []
-    for _ in range(rounds):
-        for label, program in programs.items():
-            step = lambda: jax.block_until_ready(program(params))  # noqa: E731
-            result[f"{label}_ms"].append(1e3 * median_seconds(step, repeats))
+    calls = {
+        label: lambda program=program: jax.block_until_ready(program(params))
+        for label, program in programs.items()
+    }
+    for label, ms in alternating_ms(calls, rounds, repeats).items():
+        result[f"{label}_ms"] = ms
     plain, rows = (np.median(result[f"{k}_ms"]) for k in ("plain", "rows"))
     result["speedup"] = float(plain / rows)
     result["rounds_rows_faster"] = sum(r < p for p, r in zip(result["plain_ms"], result["rows_ms"]))

@@ -30,7 +30,7 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from compare_torch import rows  # noqa: E402
-from timing import median_seconds  # noqa: E402
+from timing import alternating_ms  # noqa: E402
 from torch_vs_jax import use_devices  # noqa: E402
 
 from attnjax import xla_cpu  # noqa: E402
@@ -55,12 +55,12 @@ def measure(step, options: dict, rounds: int) -> dict:
     result["same_bits"] = all(
         np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(outputs["a"], outputs["b"])
     )
-    for label in programs:
-        result[f"{label}_ms"] = []
-    for _ in range(rounds):
-        for label, program in programs.items():
-            call = lambda: jax.block_until_ready(program(step.state, *step.inputs))  # noqa: E731
-            result[f"{label}_ms"].append(1e3 * median_seconds(call, 3))
+    calls = {
+        label: lambda program=program: jax.block_until_ready(program(step.state, *step.inputs))
+        for label, program in programs.items()
+    }
+    for label, ms in alternating_ms(calls, rounds, 3).items():
+        result[f"{label}_ms"] = ms
     result["a_over_b"] = float(np.median(result["a_ms"]) / np.median(result["b_ms"]))
     return result
 
@@ -69,8 +69,8 @@ def compiler_options(flag: str, text: str) -> dict:
     """``--a``/``--b``'s JSON object, or a one-line error naming the flag and its value."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as error:
-        value = error
+    except json.JSONDecodeError:
+        value = None
     if not isinstance(value, dict):
         raise SystemExit(
             f"--{flag}={text!r}: expected a JSON object of XLA options, e.g. "

@@ -13,3 +13,14 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def alternating_ms(calls: dict, rounds: int, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds of each blocking call in ``calls``, the calls taken in turn ``rounds`` times,
+    each time the median of ``repeats``: a slow spell of a shared machine falls on every
+    candidate alike instead of on whichever ran then."""
+    ms = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            ms[name].append(1e3 * median_seconds(call, repeats))
+    return ms
