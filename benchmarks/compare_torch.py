@@ -56,6 +56,7 @@ def rows(quick, directory):
         "vit_cifar_infer": lambda: vit_row("cifar", 32, 64 if quick else 256, False, 10),
         "vit_ti16_train": lambda: vit_row("Ti/16", 224, 2 if quick else 8, True, 1000),
         "vit_b16_infer": lambda: vit_row("B/16", 224, 2 if quick else 8, False, 1000),
+        "vit_b16_train": lambda: vit_row("B/16", 224, 2 if quick else 8, True, 1000),
         "vqgan_autoencoder": lambda: vqgan_autoencoder(4 if quick else 16),
         "vqgan_gan_step": lambda: vqgan_gan_step(4 if quick else 16, directory),
         "gpt_train": lambda: gpt_train(4 if quick else 16, 64 if quick else 256),
