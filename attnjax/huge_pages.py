@@ -17,7 +17,9 @@ start with three glibc tunables (``TUNABLES``):
 
 Every training step measured runs faster or the same, none slower
 (benchmarks/results/malloc_cpu.md, ``benchmarks/malloc_cpu.py``). Numbers are unchanged: only
-where the pages come from differs.
+where the pages come from differs. The first step pays for the pages its heaps grow into: on the
+slower 2-core VM it took 1.3-1.9x as long as under glibc's defaults (ViT-B/16's train step 2.2 s
+more), won back after 4-25 steps (benchmarks/results/malloc_cpu_slower_vm.md).
 
 glibc reads its tunables once, when a process starts. A command therefore calls
 ``restart_with_huge_pages()`` first thing: where the setting would help and is not in effect,

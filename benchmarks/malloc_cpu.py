@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 from attnjax import huge_pages
-from attnjax.ops.platform import cpu_cores, processor
+from attnjax.ops.platform import cpu_cores, processor, processor_details
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -35,7 +35,10 @@ TRAINING_ROWS = (
 )
 KEPT = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 HUGE_PAGES = huge_pages.tunables_with_huge_pages("")
-SETTINGS = {"huge pages": HUGE_PAGES, "kept": KEPT, "glibc's defaults": ""}
+# Huge pages' setting without the huge pages: blocks kept in each thread's heaps, 4 KiB pages.
+HEAPS = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
+SETTINGS = {"huge pages": HUGE_PAGES, "kept": KEPT, "heaps": HEAPS, "glibc's defaults": ""}
+SHORT = {"huge pages": "huge", "kept": "kept", "heaps": "heaps", "glibc's defaults": "glibc's"}
 BASELINE = "glibc's defaults"
 
 # One process: every row's attnjax step and torch step, and the attnjax step's faults and kernel
@@ -54,7 +57,16 @@ with tempfile.TemporaryDirectory() as directory:
     table = compare_torch.rows(False, directory)
     for name in rows:
         description, jax_step, torch_step = table[name]()
-        jax_step(), jax_step(), torch_step()  # warm-up (the heap grows over the first calls)
+        # The first call on its own: a run's first step waits for it, faults and all.
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        first_s = median_seconds(jax_step, 1)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        first = dict(
+            first_ms=1e3 * first_s,
+            first_faults=after.ru_minflt - before.ru_minflt,
+            first_kernel_s=after.ru_stime - before.ru_stime,
+        )
+        jax_step(), torch_step()  # warm-up (the heap grows over the first calls)
         before = resource.getrusage(resource.RUSAGE_SELF)
         jax_ms = 1e3 * median_seconds(jax_step, repeats)
         after = resource.getrusage(resource.RUSAGE_SELF)
@@ -65,6 +77,7 @@ with tempfile.TemporaryDirectory() as directory:
             torch_ms=torch_ms,
             faults_per_step=(after.ru_minflt - before.ru_minflt) / repeats,
             kernel_s_per_step=(after.ru_stime - before.ru_stime) / repeats,
+            **first,
         )
 print(json.dumps({"rows": results}))
 """
@@ -90,8 +103,10 @@ def run(rows: str, repeats: int, tunables: str) -> dict:
 
 def table(runs: dict, machine: dict) -> str:
     names = list(runs[BASELINE][0]["rows"])
-    short = {"huge pages": "huge", "kept": "kept", BASELINE: "glibc's"}
+    settings = list(runs)
     columns = [
+        ("attnjax first call ms", "first_ms", "{:.0f}"),
+        ("kernel s, first call", "first_kernel_s", "{:.2f}"),
         ("attnjax ms", "attnjax_ms", "{:.0f}"),
         ("faults / step", "faults_per_step", "{:.0f}"),
     ]
@@ -99,9 +114,10 @@ def table(runs: dict, machine: dict) -> str:
         ("kernel s / step", "kernel_s_per_step", "{:.2f}"),
         ("torch ms", "torch_ms", "{:.0f}"),
     ]
-    header = [f"{title}, {short[setting]}" for title, _, _ in columns for setting in SETTINGS]
+    header = [f"{title}, {SHORT[setting]}" for title, _, _ in columns for setting in settings]
     lines = [
-        f"Machine: {machine['processor']}, {machine['cores']} cores; {machine['rounds']} rounds "
+        f"Machine: {machine['processor']} ({machine.get('details', '')}), {machine['cores']} "
+        f"cores; {machine['rounds']} rounds "
         "of fresh processes, the settings alternating; a cell lists each round's median step.",
         "",
         "| row | " + " | ".join(header) + " |",
@@ -111,7 +127,7 @@ def table(runs: dict, machine: dict) -> str:
         cells = [
             ", ".join(fmt.format(r["rows"][name][key]) for r in runs[setting])
             for _, key, fmt in columns
-            for setting in SETTINGS
+            for setting in settings
         ]
         workload = runs[BASELINE][0]["rows"][name]["workload"]
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
@@ -119,7 +135,7 @@ def table(runs: dict, machine: dict) -> str:
     def median_ms(setting, name):
         return statistics.median(r["rows"][name]["attnjax_ms"] for r in runs[setting])
 
-    others = [setting for setting in SETTINGS if setting != BASELINE]
+    others = [setting for setting in settings if setting != BASELINE]
     lines += [
         "",
         "attnjax's step, glibc's defaults over each setting (median over rounds; above 1: faster):",
@@ -142,15 +158,28 @@ def main() -> None:
     parser.add_argument("--rows", default=TRAINING_ROWS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--settings",
+        default=",".join(SHORT.values()),
+        help=f"comma-separated, from {list(SHORT.values())}; glibc's defaults always run",
+    )
     parser.add_argument("--out", default=str(RESULTS / "malloc_cpu.json"))
     args = parser.parse_args()
-    runs = {setting: [] for setting in SETTINGS}
+    chosen = set(args.settings.split(",")) | {SHORT[BASELINE]}
+    unknown = sorted(chosen - set(SHORT.values()))
+    if unknown:
+        raise SystemExit(
+            f"--settings: unknown {unknown}; expected names from {list(SHORT.values())}"
+        )
+    runs = {setting: [] for setting in SETTINGS if SHORT[setting] in chosen}
     for round_ in range(args.rounds):
-        for setting, tunables in SETTINGS.items():
-            result = run(args.rows, args.repeats, tunables)
+        for setting in runs:
+            result = run(args.rows, args.repeats, SETTINGS[setting])
             runs[setting].append(result)
             print(f"round {round_ + 1}, {setting}: {json.dumps(result['rows'])}", flush=True)
-    machine = dict(processor=processor(), cores=cpu_cores(), rounds=args.rounds)
+    machine = dict(
+        processor=processor(), details=processor_details(), cores=cpu_cores(), rounds=args.rounds
+    )
     out = pathlib.Path(args.out)
     out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=2))
     text = table(runs, machine)
