@@ -1,27 +1,44 @@
-"""Matrix products on one CPU core: XLA's own (Eigen) against YNNPACK's, beside PyTorch, at the
+"""Matrix products on CPU devices: XLA's own (Eigen) against YNNPACK's, beside PyTorch, at the
 shapes attnjax's training rows multiply.
 
-    python benchmarks/dot_paths.py [--rounds 15] [--out benchmarks/results/dot_paths_cpu.json]
+    python benchmarks/dot_paths.py [--devices 1] [--rounds 15] [--out ...dot_paths_cpu.json]
 
-train.py runs one XLA CPU device per core, so each device's products run on one core: the process
-is pinned to one core, with one XLA device and one torch thread. Every product is compiled twice
-in the same process, with per-program compiler options: YNNPACK for reductions only (what
-``attnjax/xla_cpu.py`` sets: products stay XLA's) and YNNPACK for reductions and products. The
-three sides are called in turn, ``--rounds`` times; a cell is the median. The shapes are
-``[M, K] @ [K, N]``, the forward products of compare_torch.py's rows on one of two devices and
-the weight gradients (``x^T @ dy``) of two of them. Writes the JSON and a Markdown table with the
-machine beside it.
+train.py runs one XLA CPU device per core. ``--devices 1`` (the default) pins the process to one
+core, with one XLA device and one torch thread. ``--devices N`` pins nothing: N XLA devices, each
+multiplying its own M rows of an ``[N * M, K]`` operand by the same ``[K, N]`` one (data
+parallelism, as train.py splits a batch), against torch on N threads multiplying all the rows.
+Every product is compiled three times in the same process, with per-program compiler options:
+YNNPACK for reductions only (what ``attnjax/xla_cpu.py`` sets: products stay XLA's), for
+reductions and the products XLA leaves on their own (XLA's default handling of products), and
+for reductions and every product. The sides are called in turn, ``--rounds`` times; a cell is
+the median. The shapes are ``[M, K] @ [K, N]`` per device, the forward products of
+compare_torch.py's rows on one of two devices and the weight gradients (``x^T @ dy``) of two of
+them. Writes the JSON and a Markdown table with the machine beside it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+
+def _devices_flag(argv: list[str]) -> int:
+    """``--devices``' value, read before jax starts (XLA takes the device count then)."""
+    for index, arg in enumerate(argv):
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--devices" and index + 1 < len(argv):
+            return int(argv[index + 1])
+    return 1
+
+
+DEVICES = _devices_flag(sys.argv[1:]) if __name__ == "__main__" else 1
 if __name__ == "__main__":
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    if DEVICES == 1:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     )
 
 import argparse  # noqa: E402
@@ -39,6 +56,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # Per-program values of xla_cpu_experimental_ynn_fusion_type (DebugOptions' enum names).
 PATHS = {
     "XLA": "LIBRARY_FUSION_TYPE_REDUCE",
+    "YNNPACK alone": "LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
     "YNNPACK": "LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_DOT",
 }
 SHAPES = {  # name: (M, K, N)
@@ -58,15 +76,19 @@ SHAPES = {  # name: (M, K, N)
 
 def measure(m: int, k: int, n: int, rounds: int) -> dict:
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), dtype=np.float32)
+    a = rng.standard_normal((m * DEVICES, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
-    lowered = jax.jit(lambda a, b: a @ b).lower(a, b)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("rows",))
+    P = jax.sharding.PartitionSpec
+    xa = jax.device_put(a, jax.sharding.NamedSharding(mesh, P("rows")))
+    xb = jax.device_put(b, jax.sharding.NamedSharding(mesh, P()))
+    lowered = jax.jit(lambda a, b: a @ b).lower(xa, xb)
     programs = {
         path: lowered.compile({"xla_cpu_experimental_ynn_fusion_type": kinds})
         for path, kinds in PATHS.items()
     }
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    calls = {path: (lambda p=p: p(a, b).block_until_ready()) for path, p in programs.items()}
+    calls = {path: (lambda p=p: p(xa, xb).block_until_ready()) for path, p in programs.items()}
     calls["torch"] = lambda: ta @ tb
     seconds = {side: [] for side in calls}
     for _ in range(rounds + 1):  # the first round warms up
@@ -76,7 +98,7 @@ def measure(m: int, k: int, n: int, rounds: int) -> dict:
             seconds[side].append(time.perf_counter() - start)
     reference = a.astype(np.float64) @ b.astype(np.float64)
     scale = np.abs(reference).max()
-    outputs = {path: np.asarray(p(a, b)) for path, p in programs.items()}
+    outputs = {path: np.asarray(p(xa, xb)) for path, p in programs.items()}
     outputs["torch"] = (ta @ tb).numpy()
     return {
         "shape": [m, k, n],
@@ -89,39 +111,56 @@ def measure(m: int, k: int, n: int, rounds: int) -> dict:
 
 
 def table(rows: dict, machine: str) -> str:
+    where = (
+        "one core, one XLA device, one torch thread"
+        if DEVICES == 1
+        else f"{DEVICES} XLA devices of M rows each, torch on {DEVICES} threads over all rows, "
+        "nothing pinned"
+    )
     lines = [
-        "# Matrix products on one CPU core: XLA's own, YNNPACK's, PyTorch's",
+        f"# Matrix products on {DEVICES} CPU device(s): XLA's own, YNNPACK's, PyTorch's",
         "",
-        f"`python benchmarks/dot_paths.py`: {machine}; one core, one XLA device, one torch "
-        f"thread; jax {jax.__version__}, torch {torch.__version__}; median of the rounds, ms.",
+        f"`python benchmarks/dot_paths.py --devices {DEVICES}`: {machine}; {where}; "
+        f"jax {jax.__version__}, torch {torch.__version__}; median of the rounds, ms. YNNPACK "
+        "alone: the products XLA leaves unfused (its default); YNNPACK: every product.",
         "",
-        "| product | M x K x N | XLA | YNNPACK | torch | XLA / YNNPACK | XLA / torch |",
-        "|---|---|---|---|---|---|---|",
+        "| product | M x K x N | XLA | YNNPACK alone | YNNPACK | torch | XLA / YNNPACK alone | "
+        "XLA / torch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         ms = row["ms"]
         shape = " x ".join(str(d) for d in row["shape"])
         lines.append(
-            f"| {name} | {shape} | {ms['XLA']:.2f} | {ms['YNNPACK']:.2f} | {ms['torch']:.2f} | "
-            f"{ms['XLA'] / ms['YNNPACK']:.2f} | {ms['XLA'] / ms['torch']:.2f} |"
+            f"| {name} | {shape} | {ms['XLA']:.2f} | {ms['YNNPACK alone']:.2f} | "
+            f"{ms['YNNPACK']:.2f} | {ms['torch']:.2f} | {ms['XLA'] / ms['YNNPACK alone']:.2f} | "
+            f"{ms['XLA'] / ms['torch']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--devices", type=int, default=1, help="XLA devices (1: pinned to one core)"
+    )
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=str(RESULTS / "dot_paths_cpu.json"))
+    parser.add_argument("--out", default=None, help="default: results/dot_paths_cpu[_<N>].json")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(DEVICES)
     rows = {}
     for name, shape in SHAPES.items():
         rows[name] = row = measure(*shape, args.rounds)
-        assert row["uses_ynnpack"] == {"XLA": False, "YNNPACK": True}, row["uses_ynnpack"]
+        assert not row["uses_ynnpack"]["XLA"] and row["uses_ynnpack"]["YNNPACK"], row
         print(name, {side: round(ms, 2) for side, ms in row["ms"].items()}, flush=True)
     machine = f"{processor()} ({processor_details()})"
-    out = pathlib.Path(args.out)
-    out.write_text(json.dumps({"machine": machine, "rounds": args.rounds, "rows": rows}, indent=1))
+    suffix = "" if DEVICES == 1 else f"_{DEVICES}_devices"
+    out = pathlib.Path(args.out or RESULTS / f"dot_paths_cpu{suffix}.json")
+    out.write_text(
+        json.dumps(
+            {"machine": machine, "devices": DEVICES, "rounds": args.rounds, "rows": rows}, indent=1
+        )
+    )
     out.with_suffix(".md").write_text(table(rows, machine))
     print(table(rows, machine))
 
