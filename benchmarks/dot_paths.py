@@ -48,11 +48,11 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from timing import alternating_ms  # noqa: E402
 
 from attnjax.ops.platform import processor, processor_details  # noqa: E402
 
@@ -116,12 +116,7 @@ def measure(m: int, k: int, n: int, rounds: int, form: str = "forward") -> dict:
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     calls = {path: (lambda p=p: p(xa, xb).block_until_ready()) for path, p in programs.items()}
     calls["torch"] = lambda: product(ta, tb)
-    seconds = {side: [] for side in calls}
-    for _ in range(rounds + 1):  # the first round warms up
-        for side, call in calls.items():
-            start = time.perf_counter()
-            call()
-            seconds[side].append(time.perf_counter() - start)
+    ms = alternating_ms(calls, rounds + 1, 1)  # the first round warms up
     reference = product(a.astype(np.float64), b.astype(np.float64))
     scale = np.abs(reference).max()
     outputs = {path: np.asarray(p(xa, xb)) for path, p in programs.items()}
@@ -129,7 +124,7 @@ def measure(m: int, k: int, n: int, rounds: int, form: str = "forward") -> dict:
     return {
         "shape": [m, k, n],
         "form": form,
-        "ms": {side: 1e3 * float(np.median(s[1:])) for side, s in seconds.items()},
+        "ms": {side: float(np.median(times[1:])) for side, times in ms.items()},
         "max_error_over_scale": {
             side: float(np.abs(out - reference).max() / scale) for side, out in outputs.items()
         },
