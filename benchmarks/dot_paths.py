@@ -22,22 +22,31 @@ the machine beside it.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 
 
-def _devices_flag(argv: list[str]) -> int:
-    """``--devices``' value, read before jax starts (XLA takes the device count then)."""
-    for index, arg in enumerate(argv):
-        if arg.startswith("--devices="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--devices" and index + 1 < len(argv):
-            return int(argv[index + 1])
-    return 1
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--devices", type=int, default=1, help="XLA devices (1: pinned to one core)"
+    )
+    parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="DENSE_LAYERS' forward, input-gradient and weight-gradient products, not SHAPES",
+    )
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument(
+        "--out", default=None, help="default: results/dot_paths_cpu[_dense][_<N>_devices].json"
+    )
+    return parser.parse_args()
 
 
-DEVICES = _devices_flag(sys.argv[1:]) if __name__ == "__main__" else 1
-if __name__ == "__main__":
+# Parsed before jax starts: XLA takes the device count then.
+ARGS = parse_args() if __name__ == "__main__" else None
+DEVICES = ARGS.devices if ARGS else 1
+if ARGS:
     if DEVICES == 1:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -45,7 +54,6 @@ if __name__ == "__main__":
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     )
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 
@@ -163,22 +171,8 @@ def table(rows: dict, machine: str, dense: bool = False) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--devices", type=int, default=1, help="XLA devices (1: pinned to one core)"
-    )
-    parser.add_argument(
-        "--dense",
-        action="store_true",
-        help="DENSE_LAYERS' forward, input-gradient and weight-gradient products, not SHAPES",
-    )
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument(
-        "--out", default=None, help="default: results/dot_paths_cpu[_dense][_<N>_devices].json"
-    )
-    args = parser.parse_args()
     torch.set_num_threads(DEVICES)
-    if args.dense:
+    if ARGS.dense:
         work = {
             f"{name}, {form}": (*shape, form)
             for name, shape in DENSE_LAYERS.items()
@@ -188,20 +182,20 @@ def main() -> None:
         work = {name: (*shape, "forward") for name, shape in SHAPES.items()}
     rows = {}
     for name, (m, k, n, form) in work.items():
-        rows[name] = row = measure(m, k, n, args.rounds, form)
+        rows[name] = row = measure(m, k, n, ARGS.rounds, form)
         # XLA's own path never takes YNNPACK; the products YNNPACK takes depend on their form.
         assert not row["uses_ynnpack"]["XLA"], row
         print(name, {side: round(ms, 2) for side, ms in row["ms"].items()}, flush=True)
     machine = f"{processor()} ({processor_details()})"
-    suffix = ("_dense" if args.dense else "") + ("" if DEVICES == 1 else f"_{DEVICES}_devices")
-    out = pathlib.Path(args.out or RESULTS / f"dot_paths_cpu{suffix}.json")
+    suffix = ("_dense" if ARGS.dense else "") + ("" if DEVICES == 1 else f"_{DEVICES}_devices")
+    out = pathlib.Path(ARGS.out or RESULTS / f"dot_paths_cpu{suffix}.json")
     out.write_text(
         json.dumps(
-            {"machine": machine, "devices": DEVICES, "rounds": args.rounds, "rows": rows}, indent=1
+            {"machine": machine, "devices": DEVICES, "rounds": ARGS.rounds, "rows": rows}, indent=1
         )
     )
-    out.with_suffix(".md").write_text(table(rows, machine, args.dense))
-    print(table(rows, machine, args.dense))
+    out.with_suffix(".md").write_text(table(rows, machine, ARGS.dense))
+    print(table(rows, machine, ARGS.dense))
 
 
 if __name__ == "__main__":
