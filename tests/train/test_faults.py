@@ -416,6 +416,32 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_first(
         train_and_evaluate(config_like_flags(digits_dir), workdir)
 
 
+def test_a_config_that_cannot_be_loaded_is_one_line_naming_the_file_and_line(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config():\n    return undefined_name\n")
+    expected = {
+        str(tmp_path / "missing.py"): "[Errno 2] No such file or directory: "
+        f"{str(tmp_path / 'missing.py')!r}",
+        str(broken): "line 2: NameError: name 'undefined_name' is not defined",
+    }
+    for path, cause in expected.items():
+        workdir = tmp_path / "run"
+        run = subprocess.run(
+            [sys.executable, "train.py", f"--config={path}", f"--workdir={workdir}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 1, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert run.stderr.strip().splitlines()[-1] == (
+            f"train.py: error: --config {path!r} could not be loaded: {cause} (expected a Python "
+            "file with a get_config(), as configs/*.py; --verbose shows the traceback)"
+        )
+        assert not workdir.exists()
+
+
 # ---- a weights file with a malicious pickle ---------------------------------------------------
 
 
