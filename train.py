@@ -16,7 +16,6 @@ step: requeue, rerunning the same command continues (``attnjax/preemption.py``).
 """
 
 import sys
-import traceback
 
 if __name__ == "__main__":
     from attnjax import huge_pages
@@ -39,7 +38,7 @@ from attnjax.compile import run as compile_only  # noqa: E402
 from attnjax.parallel import data_parallel, watchdog  # noqa: E402
 from attnjax.parallel.watchdog import one_line  # noqa: E402
 from attnjax.tasks import train_and_evaluate  # noqa: E402
-from attnjax.train import compilation_cache, preemption  # noqa: E402
+from attnjax.train import compilation_cache, config_file, preemption  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/vit_digits.py", "Training config file (configs/*.py[:arg])."
@@ -67,50 +66,13 @@ def _config_name() -> str:
     return config_flags.get_config_filename(flags.FLAGS["config"])
 
 
-def _config_error(path: str, cause: str) -> None:
-    print(
-        f"train.py: error: --config {path!r} could not be loaded: {cause} (expected a Python "
-        "file with a get_config(), as configs/*.py; --verbose shows the traceback)",
-        file=sys.stderr,
-    )
-    sys.exit(1)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, where an exception from the config file's own code (or a file without
-    ``get_config``) ends in one line naming the file and the line, not a traceback."""
-    try:
-        return app.parse_flags_with_usage(argv)
-    except Exception as error:
-        named = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-        named += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-        if "--verbose" in argv or not named:
-            raise
-        path = named[-1].split(":", 1)[0]
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
-        where = f"line {frames[-1].lineno}: " if frames else ""
-        _config_error(path, f"{where}{type(error).__name__}: {error}")
-
-
-def _loaded_config():
-    """The ``--config`` file's config. ml_collections defers a file it could not read to the
-    config's first use, with a first line that names neither ("Configuration is not available
-    because of an earlier failure to load")."""
-    config = _CONFIG.value
-    try:
-        config.get("cpu_devices")
-    except OSError as error:
-        _config_error(_config_name(), str(error).strip().splitlines()[-1].strip())
-    return config
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         # Orbax logs every save step at INFO; the progress bar and eval tables say enough.
         logging.set_verbosity(logging.WARNING)
-    config = _loaded_config()
+    config = config_file.loaded(_CONFIG, "train.py")
     if _COMPILE_ONLY.value:
         if compat.persistent_cache_reloads_compile_only_programs():
             compilation_cache.enable()
@@ -147,4 +109,4 @@ if __name__ == "__main__":
         lambda values: values["workdir"] is not None or bool(values["compile_only"]),
         "--workdir is required (except with --compile_only)",
     )
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=config_file.flags_parser("train.py"))

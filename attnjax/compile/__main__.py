@@ -7,7 +7,7 @@ from ml_collections import config_flags
 
 from attnjax import compat
 from attnjax.compile import run, targets
-from attnjax.train import collector, compilation_cache
+from attnjax.train import collector, compilation_cache, config_file
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).")
 _TARGET = flags.DEFINE_string("target", None, f"What to compile for: {targets.FORMS}.")
@@ -22,7 +22,7 @@ def main(argv):
         compilation_cache.enable()
     try:
         status = run(
-            _CONFIG.value,
+            config_file.loaded(_CONFIG, "attnjax.compile"),
             _TARGET.value,
             config_name=config_flags.get_config_filename(flags.FLAGS["config"]),
             json_path=_JSON.value,
@@ -35,4 +35,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "target"])
-    app.run(main)
+    app.run(main, flags_parser=config_file.flags_parser("attnjax.compile"))
