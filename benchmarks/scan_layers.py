@@ -31,7 +31,7 @@ import optax  # noqa: E402
 from compare_torch import machine  # noqa: E402
 from rows_transformers import _timm_vit  # noqa: E402
 from timing import alternating_ms  # noqa: E402
-from torch_vs_jax import add_cpu_devices_flag, jax_train_step, use_devices  # noqa: E402
+from torch_vs_jax import add_cpu_devices_flag, jax_train_step, placed, use_devices  # noqa: E402
 
 from attnjax.convert.common import make_torchvision_importable  # noqa: E402
 from attnjax.convert.timm import vit_from_timm  # noqa: E402
@@ -41,19 +41,6 @@ from attnjax.ops.platform import processor_details  # noqa: E402
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 ROWS = {"ti16": ("Ti/16", 224, 8), "s16": ("S/16", 224, 8), "b16": ("B/16", 224, 8)}
 SIDES = ("unrolled", "scanned")
-
-
-def placed(state, images, labels):
-    """The state replicated, the batch split over every device (as train.py's data parallelism)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    P = jax.sharding.PartitionSpec
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    split = jax.sharding.NamedSharding(mesh, P("data"))
-    return (
-        jax.device_put(state, replicated),
-        jax.device_put(images, split),
-        jax.device_put(labels, split),
-    )
 
 
 def measure(variant: str, image_size: int, batch: int, rounds: int, repeats: int) -> dict:
@@ -80,7 +67,7 @@ def measure(variant: str, image_size: int, batch: int, rounds: int, repeats: int
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
         step, state = jax_train_step(loss, variables["params"])
-        state, x, y = placed(state, images, labels)
+        state, (x, y), _ = placed(state, (images, labels))
         losses[side] = float(jax.jit(loss)(state[0], x, y))
         jitted = jax.jit(step)
         stages, cpu = {}, time.process_time()

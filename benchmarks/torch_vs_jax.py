@@ -26,6 +26,32 @@ def sync():
         torch.cuda.synchronize()
 
 
+def placed(state, inputs: tuple, split=None) -> tuple:
+    """``(state, inputs, devices)`` for data parallelism as ``train.py`` runs it: with several
+    devices, each input split over all of them along the axis ``split`` names for it (default:
+    axis 0 of all; ``None``: that input replicated) and the state replicated; where a split axis
+    does not divide evenly, both as given, on one device."""
+    split = (0,) * len(inputs) if split is None else tuple(split)
+    devices = jax.devices()
+    sizes = [
+        np.shape(leaf)[s]
+        for x, s in zip(inputs, split)
+        if s is not None
+        for leaf in jax.tree.leaves(x)
+    ]
+    if len(devices) == 1 or not sizes or any(n % len(devices) for n in sizes):
+        return state, tuple(inputs), 1
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    P = jax.sharding.PartitionSpec
+
+    def place(s):
+        return jax.sharding.NamedSharding(mesh, P() if s is None else P(*[None] * s, "data"))
+
+    state = jax.device_put(state, place(None))
+    inputs = tuple(jax.device_put(x, place(s)) for x, s in zip(inputs, split))
+    return state, inputs, len(devices)
+
+
 class Jax:
     """A jitted step ``fn(state, *inputs) -> state`` (or outputs), compiled once, timed after.
 
@@ -36,25 +62,7 @@ class Jax:
     """
 
     def __init__(self, fn, state, *inputs, donate: bool = False, split=None):
-        split = (0,) * len(inputs) if split is None else tuple(split)
-        devices = jax.devices()
-        sizes = [
-            np.shape(leaf)[s]
-            for x, s in zip(inputs, split)
-            if s is not None
-            for leaf in jax.tree.leaves(x)
-        ]
-        if len(devices) > 1 and sizes and all(n % len(devices) == 0 for n in sizes):
-            mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-            P = jax.sharding.PartitionSpec
-            place = lambda s: jax.sharding.NamedSharding(
-                mesh, P() if s is None else P(*[None] * s, "data")
-            )
-            state = jax.device_put(state, place(None))
-            inputs = tuple(jax.device_put(x, place(s)) for x, s in zip(inputs, split))
-            self.devices = len(devices)
-        else:
-            self.devices = 1
+        state, inputs, self.devices = placed(state, inputs, split)
         jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
         # The same program with nothing donated, for callers that compile it again under other
         # options and call it more than once on one state (step_options.py).
