@@ -194,8 +194,9 @@ def main() -> None:
             {"machine": machine, "devices": DEVICES, "rounds": ARGS.rounds, "rows": rows}, indent=1
         )
     )
-    out.with_suffix(".md").write_text(table(rows, machine, ARGS.dense))
-    print(table(rows, machine, ARGS.dense))
+    text = table(rows, machine, ARGS.dense)
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
