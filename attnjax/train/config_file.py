@@ -5,10 +5,13 @@ ml_collections reports such a file in two ways, neither of them one line: an exc
 file's own code (or a file without ``get_config``) escapes absl's flag parsing as a traceback,
 and a file it could not read surfaces only at the config's first use, as "Configuration is not
 available because of an earlier failure to load", naming neither the file nor the cause.
+An override of a field the config lacks (``--config.batchsize=3``) is one line too, naming the
+flag: ml_collections raises it while parsing ``--config``, as if the file had failed.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Callable
@@ -27,9 +30,34 @@ def _fail(program: str, path: str, cause: str) -> None:
     sys.exit(1)
 
 
+def _override(error: Exception) -> str | None:
+    """The flag, ``config.<field path>``, whose override raised ``error`` (ml_collections applies
+    every ``--config.<field>`` while parsing ``--config``), else None."""
+    parser_module = os.path.join("ml_collections", "config_flags", "config_flags.py")
+    tb = error.__traceback__
+    while tb is not None:
+        code, names = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        field = names.get("field_path", names.get("override"))
+        if code.co_filename.endswith(parser_module) and isinstance(field, str):
+            return f"{getattr(names.get('self'), 'name', 'config')}.{field}"
+        tb = tb.tb_next
+    return None
+
+
+def _missing_field(error: Exception) -> tuple[str, str]:
+    """``(key, close match or "")`` from ml_collections' error for a missing field: a KeyError
+    (maybe inside an AttributeError) whose text is the quoted key, then "Did you mean ..."."""
+    while error.args and isinstance(error.args[0], BaseException):
+        error = error.args[0]
+    text = str(error.args[0]) if error.args else str(error)
+    key, *hint = text.split("\n")
+    return key.strip("'\""), (hint[-1].strip() if hint else "")
+
+
 def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
     """For ``app.run(main, flags_parser=...)``: absl's parsing, with a config file's own
-    exception as one line (the traceback only where argv holds ``--verbose``)."""
+    exception, or an override of a field the config does not have, as one line (the traceback
+    only where argv holds ``--verbose``)."""
 
     def parse(argv: list[str]) -> list[str]:
         try:
@@ -40,6 +68,18 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
             if not named or ("verbose" in flags.FLAGS and "--verbose" in argv):
                 raise
             path = named[-1].split(":", 1)[0]
+            override = _override(error)
+            if override and isinstance(error, (AttributeError, KeyError)):
+                key, close = _missing_field(error)
+                close = f"; {close}" if close else ""
+                verbose = "; --verbose shows the traceback" if "verbose" in flags.FLAGS else ""
+                print(
+                    f"{program}: error: --{override}: the config of {path} has no field "
+                    f"{key!r}{close} (an override sets a field the config's get_config() made"
+                    f"{verbose})",
+                    file=sys.stderr,
+                )
+                sys.exit(1)
             frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
             where = f"line {frames[-1].lineno}: " if frames else ""
             _fail(program, path, f"{where}{type(error).__name__}: {error}")
