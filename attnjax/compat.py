@@ -70,3 +70,16 @@ def executable_device_ids(compiled) -> list[int] | None:
         return [device.id for device in compiled._executable.xla_executable.local_devices()]
     except AttributeError:
         return None
+
+
+def random_internals():
+    """JAX's internals that ``attnjax.train.hashed_init`` rewrites a program with (no public API
+    has them): ``(core, dtypes, prng, threefry2x32)``, the modules holding the key primitives,
+    their implementations over the keys' data and the Threefry-2x32 hash; None where this jax
+    keeps them elsewhere (the rewrite is then skipped). The same from jax 0.10.2 to 0.12.0.1."""
+    try:
+        from jax._src import core, dtypes
+        from jax._src.random import prng, threefry2x32
+    except ImportError:
+        return None
+    return core, dtypes, prng, threefry2x32

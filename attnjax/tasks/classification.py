@@ -30,7 +30,7 @@ from attnjax.metrics.features import FeatureExtractor
 from attnjax.models import vit
 from attnjax.ops import positional
 from attnjax.parallel import sharding
-from attnjax.train import checkpoint, executables, optim, precision
+from attnjax.train import checkpoint, executables, hashed_init, optim, precision
 
 MODELS = {"vit": vit.create_vit}
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
@@ -199,7 +199,7 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
         mlp_dim=model.mlp_dim or int(model.width * model.mlp_ratio),
     )
     images = example_batch["image"][:1]
-    init = lambda r, x: model.init(r, x, train=False)["params"]
+    init = hashed_init.hashed_together(lambda r, x: model.init(r, x, train=False)["params"])
     params = executables.jit(config, "init", init, keep_outputs=True)(rng, images)
     params = load_pretrained(config, model, params)
     tx = make_optimizer(config)

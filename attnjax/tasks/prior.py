@@ -43,7 +43,7 @@ from attnjax.tasks.vqgan_codes import TrainedVQGAN as TrainedVQGAN
 from attnjax.tasks.vqgan_codes import encode_split, load_vqgan
 from attnjax.tasks.vqgan_codes import first_codes as first_codes
 from attnjax.tasks.vqgan_codes import load_images as load_images
-from attnjax.train import executables, optim, precision
+from attnjax.train import executables, hashed_init, optim, precision
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model_name", "model")
@@ -167,7 +167,10 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
     )
     codes = example_batch["codes"][:1]
     init = executables.jit(
-        config, "init", lambda r, x: model.init(r, x)["params"], keep_outputs=True
+        config,
+        "init",
+        hashed_init.hashed_together(lambda r, x: model.init(r, x)["params"]),
+        keep_outputs=True,
     )
     params = init(rng, codes)
     tx = optim.make_optimizer(config)

@@ -62,7 +62,7 @@ from attnjax.models.discriminator import NLayerDiscriminator
 from attnjax.ops import vqgan_loss
 from attnjax.parallel import sharding
 from attnjax.tasks import image_metrics
-from attnjax.train import executables, optim, precision
+from attnjax.train import executables, hashed_init, optim, precision
 
 # Config fields that define the model a checkpoint holds (a resumed run must agree on them).
 IDENTITY_FIELDS = ("model",)
@@ -174,8 +174,10 @@ def _optimizers(config):
 
 def _keyed(init, index: int):
     """``init`` given the ``index``-th key of ``jax.random.split(rng)``, as the autoencoder (0)
-    and the discriminator (1) always took theirs."""
-    return lambda rng, images: init(jax.random.split(rng)[index], images)
+    and the discriminator (1) always took theirs; its hashes batched (``hashed_init``)."""
+    return hashed_init.hashed_together(
+        lambda rng, images: init(jax.random.split(rng)[index], images)
+    )
 
 
 def create_train_state(rng, config, model, example_batch) -> TrainState:

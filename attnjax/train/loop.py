@@ -34,6 +34,7 @@ from attnjax.train import (
     checkpoint,
     checkpoint_integrity,
     executables,
+    hashed_init,
     keys,
     nonfinite,
     performance,
@@ -252,11 +253,9 @@ def _create_train_state(config, task, model, example, dp, init_rng, abstract=Fal
 
 def initial_state(task, config, model, example, rng):
     """``task.create_train_state``, computed on the host's CPU where the default device is an
-    accelerator (the caller places it on the mesh): XLA compiles an initialisation far sooner
-    for the CPU. On an H200, ViT-B/16's state took 32.6 s computed there against 6.4 s computed
-    on the host and placed, the f16 VQGAN's 40.1 s against 12.1 s
-    (benchmarks/results/initial_state_h200.json). The random bits are the same on every backend;
-    a value drawn from them may differ from the GPU's in its last bits."""
+    accelerator (the caller places it on the mesh): XLA compiles an initialisation 3-5x sooner
+    for the CPU (benchmarks/results/initial_state_h200.json). The random bits are the same on
+    every backend; a value drawn from them may differ from the GPU's in its last bits."""
     cpu = None if jax.default_backend() == "cpu" else _host_cpu()
     if cpu is None:
         return task.create_train_state(rng, config, model, example)
@@ -279,9 +278,10 @@ def abstract_train_state(config, task, model, example, rng):
     config = config.copy_and_resolve_references()
     if config.get("init_from"):
         config.init_from = ""
-    return jax.eval_shape(
-        lambda key, batch: task.create_train_state(key, config, model, batch), rng, example
-    )
+    with hashed_init.shapes_only():
+        return jax.eval_shape(
+            lambda key, batch: task.create_train_state(key, config, model, batch), rng, example
+        )
 
 
 def _restore(ckpt, state, train_iter, workdir) -> tuple[int | None, Any]:

@@ -1,0 +1,269 @@
+"""A model's initialisation with its random hashes computed together: the same values in a
+program that compiles in less time.
+
+Every random initial value costs the compiled initialisation two or more Threefry-2x32 hashes
+(the key folded with the parameter's path, then its bits), and on XLA:CPU each hash is a loop
+of its own (JAX lowers it rolled there), compiled apart: most of a small model's init program
+(benchmarks/results/hashed_init.md). ``hashed_together(fn)`` evaluates ``fn``'s program with the
+hashes deferred: each round runs every operation whose inputs are ready, then hashes all the
+waiting inputs as one concatenated call, and so on, as many rounds as the longest chain of
+keys. Threefry is elementwise, so each value gets the same bits as before; the outputs are
+bit-identical to ``fn``'s (tests/train/test_hashed_init.py).
+
+Hashes of more than ``LARGEST_BATCHED`` elements run alone: concatenated, their broadcast keys
+and counters would be written out in full (ViT-B/16's 86M draws ran 4x slower so). A program
+this cannot rewrite (a key array in any other operation, an effect, a loop over keys) runs as
+``fn``. For initialisations only: the rewrite drops custom derivative rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import types
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnjax import compat
+
+LARGEST_BATCHED = 1 << 18
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def hashed_together(fn: Callable) -> Callable:
+    """``fn`` (array arguments -> a pytree of arrays) with its Threefry hashes batched; the same
+    outputs, bit for bit."""
+
+    @functools.wraps(fn)
+    def batched(*args):
+        internals = _internals()
+        if internals is None or _plain.active:
+            return fn(*args)
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if any(internals.is_key(v.aval) for v in closed.jaxpr.outvars):
+            return fn(*args)
+        try:
+            program = _flatten(internals, closed, [_Slot() for _ in jax.tree.leaves(args)], {})
+        except _Unsupported:
+            return fn(*args)
+        # A key argument enters as its data, as the key operations were expanded to take it.
+        leaves = [
+            jax.random.key_data(x) if internals.is_key(jax.typeof(x)) else x
+            for x in jax.tree.leaves(args)
+        ]
+        outputs = _evaluate(internals, program, leaves)
+        return jax.tree.unflatten(jax.tree.structure(shapes), outputs)
+
+    return batched
+
+
+class _Plain(threading.local):
+    active = False
+
+
+_plain = _Plain()
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Within it ``hashed_together(fn)`` is ``fn``: for ``jax.eval_shape``, where the rewrite
+    would only trace the program a second time."""
+    before, _plain.active = _plain.active, True
+    try:
+        yield
+    finally:
+        _plain.active = before
+
+
+class _Slot:
+    """A value of the flattened program, set once it has been computed."""
+
+    __slots__ = ()
+
+
+class _Program:
+    def __init__(self, inputs, outputs, equations):
+        self.inputs, self.outputs, self.equations = inputs, outputs, equations
+
+
+def _flatten(internals, closed, inputs: list, expanded: dict) -> _Program:
+    """``closed`` as one list of ``(primitive, params, inputs, outputs)`` over physical values:
+    nested calls inlined, key arrays as their uint32 data, the key operations expanded into the
+    hashes they make (``expanded``: those programs by signature, traced once per rewrite, under
+    the config it runs with: ``jax_threefry_partitionable`` changes them)."""
+    equations: list = []
+    outputs = _inline(internals, closed, inputs, equations, expanded)
+    return _Program(inputs, outputs, equations)
+
+
+def _inline(internals, closed, inputs: list, equations: list, expanded: dict) -> list:
+    jaxpr, env = closed.jaxpr, {}
+
+    def read(var):
+        return ("literal", var.val) if isinstance(var, internals.Literal) else env[var]
+
+    for var, value in zip(jaxpr.constvars, closed.consts):
+        env[var] = ("literal", value)
+    env.update(zip(jaxpr.invars, inputs))
+    for equation in jaxpr.eqns:
+        ins, primitive, params = (
+            [read(v) for v in equation.invars],
+            equation.primitive,
+            equation.params,
+        )
+        if primitive.name in _CALLS:
+            inner = params.get("jaxpr", params.get("call_jaxpr"))
+            if not hasattr(inner, "consts"):
+                raise _Unsupported(primitive.name)
+            outs = _inline(internals, inner, ins, equations, expanded)
+        elif primitive in (internals.wrap, internals.unwrap):
+            outs = ins
+        elif primitive in internals.expansions:
+            avals = [v.aval for v in equation.invars]
+            traced = _expanded(internals, primitive, avals, params, expanded)
+            outs = _inline(internals, traced, ins, equations, expanded)
+        else:
+            values = [v.aval for v in (*equation.invars, *equation.outvars)]
+            if equation.effects or any(internals.is_key(a) for a in values):
+                raise _Unsupported(primitive.name)
+            outs = [_Slot() for _ in equation.outvars]
+            equations.append((primitive, params, ins, outs))
+        env.update(zip(equation.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _expanded(internals, primitive, avals, params, expanded: dict):
+    """The program of a key operation over its keys' data (``expanded``: see ``_flatten``)."""
+    try:
+        signature = (primitive, tuple(avals), tuple(sorted(params.items())))
+        hash(signature)
+    except TypeError:
+        signature = None
+    if signature is None or signature not in expanded:
+        fn = internals.expansions[primitive](avals, params)
+        physical = [internals.physical_aval(a) for a in avals]
+        traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in physical))
+        if signature is None:
+            return traced
+        expanded[signature] = traced
+    return expanded[signature]
+
+
+def _evaluate(internals, program: _Program, args: list) -> list:
+    values = dict(zip(program.inputs, args))
+
+    def get(x):
+        return x[1] if isinstance(x, tuple) else values[x]
+
+    def ready(equation):
+        return all(isinstance(x, tuple) or x in values for x in equation[2])
+
+    todo = program.equations
+    while todo:
+        progressed = True
+        while progressed:  # every operation but the hashes, as far as the values go
+            progressed, waiting = False, []
+            for equation in todo:
+                primitive, params, ins, outs = equation
+                if primitive is not internals.threefry and ready(equation):
+                    results = primitive.bind(*map(get, ins), **params)
+                    values.update(zip(outs, results if primitive.multiple_results else [results]))
+                    progressed = True
+                else:
+                    waiting.append(equation)
+            todo = waiting
+        hashes = [e for e in todo if ready(e)]  # only hashes are left ready
+        if not hashes:
+            if todo:
+                raise RuntimeError(f"{len(todo)} operations left whose inputs never came")
+            break
+        _hash(internals, hashes, get, values)
+        done = set(map(id, hashes))
+        todo = [e for e in todo if id(e) not in done]
+    return [get(x) for x in program.outputs]
+
+
+def _hash(internals, hashes: list, get, values: dict) -> None:
+    """The ready hashes: those up to ``LARGEST_BATCHED`` elements as one call, the rest alone."""
+    together = []
+    for primitive, params, ins, outs in hashes:
+        operands = [get(x) for x in ins]
+        shape = np.broadcast_shapes(*(np.shape(x) for x in operands))
+        if math.prod(shape) > LARGEST_BATCHED:
+            values.update(zip(outs, primitive.bind(*operands, **params)))
+        else:
+            together.append((operands, shape, outs))
+    if not together:
+        return
+    columns = [
+        jnp.concatenate([jnp.broadcast_to(ops[i], shape).reshape(-1) for ops, shape, _ in together])
+        for i in range(4)
+    ]
+    first, second = internals.threefry.bind(*columns)
+    offset = 0
+    for _, shape, outs in together:
+        size = math.prod(shape)
+        values[outs[0]] = first[offset : offset + size].reshape(shape)
+        values[outs[1]] = second[offset : offset + size].reshape(shape)
+        offset += size
+
+
+@functools.cache
+def _internals() -> types.SimpleNamespace | None:
+    modules = compat.random_internals()
+    if modules is None:
+        return None
+    core, dtypes, prng, threefry2x32 = modules
+    try:
+        return types.SimpleNamespace(
+            Literal=core.Literal,
+            physical_aval=core.physical_aval,
+            is_key=lambda aval: dtypes.issubdtype(getattr(aval, "dtype", None), dtypes.prng_key),
+            wrap=prng.random_wrap_p,
+            unwrap=prng.random_unwrap_p,
+            expansions=_expansions(prng),
+            threefry=threefry2x32.threefry2x32_p,
+        )
+    except AttributeError:
+        return None
+
+
+def _expansions(prng) -> dict[Any, Callable]:
+    """For each key operation, ``(in avals, params) -> fn`` over the keys' uint32 data."""
+
+    def seed(avals, params):
+        return lambda seeds: prng.random_seed_impl_base(seeds, impl=params["impl"])
+
+    def split(avals, params):
+        keys = avals[0]
+        return lambda data: prng.random_split_impl_base(
+            keys.dtype._impl, data, keys.ndim, shape=params["shape"]
+        )
+
+    def fold_in(avals, params):
+        keys = avals[0]
+        return lambda data, messages: prng.random_fold_in_impl_base(
+            keys.dtype._impl, data, messages, keys.shape
+        )
+
+    def bits(avals, params):
+        keys = avals[0]
+        return lambda data: prng.random_bits_impl_base(
+            keys.dtype._impl, data, keys.ndim, bit_width=params["bit_width"], shape=params["shape"]
+        )
+
+    return {
+        prng.random_seed_p: seed,
+        prng.random_split_p: split,
+        prng.random_fold_in_p: fold_in,
+        prng.random_bits_p: bits,
+    }
