@@ -6,17 +6,20 @@ file's own code (or a file without ``get_config``) escapes absl's flag parsing a
 and a file it could not read surfaces only at the config's first use, as "Configuration is not
 available because of an earlier failure to load", naming neither the file nor the cause.
 An override of a field the config lacks (``--config.batchsize=3``) is one line too, naming the
-flag: ml_collections raises it while parsing ``--config``, as if the file had failed.
+flag: ml_collections raises it while parsing ``--config``, as if the file had failed; and so is
+an exception of ``get_config(arg)`` (``--config=file.py:arg``), which ml_collections hands to
+absl as a flag error holding the traceback as text.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from typing import Callable
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 
@@ -60,14 +63,25 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
     only where argv holds ``--verbose``)."""
 
     def parse(argv: list[str]) -> list[str]:
+        named = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+        named += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+        path = named[-1].split(":", 1)[0] if named else ""
         try:
-            return app.parse_flags_with_usage(argv)
+            return flags.FLAGS(argv)
+        except flags.Error as error:
+            # ml_collections wraps an exception of ``get_config(arg)`` (``file.py:arg``) in a flag
+            # error holding the traceback as text: its last line is the cause.
+            text = str(error)
+            if named and "Error whilst parsing config file" in text and "--verbose" not in argv:
+                lines = [line.strip() for line in text.splitlines() if line.strip()]
+                at = re.findall(rf'File "{re.escape(path)}", line (\d+)', text)
+                _fail(program, path, f"{f'line {at[-1]}: ' if at else ''}{lines[-1]}")
+            sys.stderr.write(f"FATAL Flags parsing error: {text}\n")  # as absl's own parser
+            sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
+            sys.exit(1)
         except Exception as error:
-            named = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-            named += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
             if not named or ("verbose" in flags.FLAGS and "--verbose" in argv):
                 raise
-            path = named[-1].split(":", 1)[0]
             override = _override(error)
             if override and isinstance(error, (AttributeError, KeyError)):
                 key, close = _missing_field(error)
@@ -80,6 +94,8 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
                     file=sys.stderr,
                 )
                 sys.exit(1)
+            if isinstance(error, OSError):  # a file not read, found when an override is applied
+                _fail(program, path, str(error).strip().splitlines()[-1].strip())
             frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
             where = f"line {frames[-1].lineno}: " if frames else ""
             _fail(program, path, f"{where}{type(error).__name__}: {error}")
