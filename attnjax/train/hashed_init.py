@@ -4,10 +4,10 @@ program that compiles in less time.
 Every random initial value costs the compiled initialisation two or more Threefry-2x32 hashes
 (the key folded with the parameter's path, then its bits), and on XLA:CPU each hash is a loop
 of its own (JAX lowers it rolled there), compiled apart: about half of a small model's init
-compile (benchmarks/results/hashed_init.md). ``hashed_together(fn)`` evaluates ``fn``'s program with the
-hashes deferred: each round runs every operation whose inputs are ready, then hashes all the
-waiting inputs as one concatenated call, and so on, as many rounds as the longest chain of
-keys. Threefry is elementwise, so each value gets the same bits as before; the outputs are
+compile (benchmarks/results/hashed_init.md). ``hashed_together(fn)`` evaluates ``fn``'s program
+with the hashes deferred: each round runs every operation whose inputs are ready, then hashes
+all the waiting inputs as one concatenated call, and so on, as many rounds as the longest chain
+of keys. Threefry is elementwise, so each value gets the same bits as before; the outputs are
 bit-identical to ``fn``'s (tests/train/test_hashed_init.py).
 
 Hashes of more than ``LARGEST_BATCHED`` elements run alone: concatenated, their broadcast keys
