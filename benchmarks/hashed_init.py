@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
-from run_once import MODELS, _init
+from run_once import MODELS, _init, fresh_process
 
 from attnjax.ops.platform import processor_details
 
@@ -76,19 +73,12 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     runs: dict = {}
     for round_index in range(args.rounds):
         for name in args.models.split(","):
             for options in OPTIONS:
                 for side in SIDES if round_index % 2 == 0 else SIDES[::-1]:
-                    command = [sys.executable, __file__, "--worker", name, options, side]
-                    out = subprocess.run(
-                        command, env=env, capture_output=True, text=True, check=True
-                    )
-                    result = json.loads(out.stdout.strip().splitlines()[-1])
+                    result = fresh_process(__file__, "--worker", name, options, side)
                     runs.setdefault((name, options), {}).setdefault(side, []).append(result)
                     print(name, options, side, result, flush=True)
     rows = []

@@ -73,6 +73,17 @@ def worker(name: str, options: str) -> dict:
     return dict(elements=elements, compile=compile_seconds, run=run_seconds)
 
 
+def fresh_process(script: str, *args: str) -> dict:
+    """The JSON that ``script`` prints last, run with ``args`` in a fresh process on the CPU
+    without JAX's compilation cache."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    command = [sys.executable, script, *args]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,16 +95,12 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     runs: dict = {}
     for round_index in range(args.rounds):
         for name in args.models.split(","):
             order = OPTIONS if round_index % 2 == 0 else OPTIONS[::-1]
             for options in order:
-                command = [sys.executable, __file__, "--worker", name, options]
-                out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-                result = json.loads(out.stdout.strip().splitlines()[-1])
+                result = fresh_process(__file__, "--worker", name, options)
                 runs.setdefault(name, {}).setdefault(options, []).append(result)
                 print(name, options, result, flush=True)
     rows = []

@@ -416,43 +416,6 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_first(
         train_and_evaluate(config_like_flags(digits_dir), workdir)
 
 
-def test_a_config_that_cannot_be_loaded_is_one_line_naming_the_file_and_line(tmp_path):
-    """train.py and the compile command (attnjax/train/config_file.py)."""
-    broken = tmp_path / "broken.py"
-    broken.write_text("def get_config():\n    return undefined_name\n")
-    missing = str(tmp_path / "missing.py")
-    workdir = tmp_path / "run"
-    train = ["train.py", f"--workdir={workdir}"]
-    undefined = "line 2: NameError: name 'undefined_name' is not defined"
-    cases = [  # (program, its command, the --config, the cause, whether it has --verbose)
-        ("train.py", train, missing, f"[Errno 2] No such file or directory: {missing!r}", True),
-        ("train.py", train, str(broken), undefined, True),
-        (
-            "attnjax.compile",
-            ["-m", "attnjax.compile", "--target=cpu"],
-            str(broken),
-            undefined,
-            False,
-        ),
-    ]
-    for program, command, path, cause, verbose in cases:
-        run = subprocess.run(
-            [sys.executable, *command, f"--config={path}"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert run.returncode == 1, run.stderr[-2000:]
-        assert "Traceback" not in run.stderr, run.stderr[-2000:]
-        hint = "; --verbose shows the traceback" if verbose else ""
-        assert run.stderr.strip().splitlines()[-1] == (
-            f"{program}: error: --config {path!r} could not be loaded: {cause} (expected a Python "
-            f"file with a get_config(), as configs/*.py{hint})"
-        )
-        assert not workdir.exists()
-
-
 # ---- a weights file with a malicious pickle ---------------------------------------------------
 
 
