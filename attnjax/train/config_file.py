@@ -23,14 +23,21 @@ from absl import flags
 from ml_collections import config_flags
 
 
-def _fail(program: str, path: str, cause: str) -> None:
+def _exit(program: str, what: str, cause: str, expected: str) -> None:
+    """Status 1 after the one line ``<program>: error: <what>: <cause> (<expected>[; hint])``."""
     verbose = "; --verbose shows the traceback" if "verbose" in flags.FLAGS else ""
-    print(
-        f"{program}: error: --config {path!r} could not be loaded: {cause} (expected a Python "
-        f"file with a get_config(), as configs/*.py{verbose})",
-        file=sys.stderr,
-    )
+    print(f"{program}: error: {what}: {cause} ({expected}{verbose})", file=sys.stderr)
     sys.exit(1)
+
+
+def _fail(program: str, path: str, cause: str) -> None:
+    expected = "expected a Python file with a get_config(), as configs/*.py"
+    _exit(program, f"--config {path!r} could not be loaded", cause, expected)
+
+
+def _last_line(text: str) -> str:
+    """The last line of a message that holds a traceback or a list of attempts."""
+    return [line.strip() for line in text.splitlines() if line.strip()][-1]
 
 
 def _override(error: Exception) -> str | None:
@@ -73,9 +80,8 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
             # error holding the traceback as text: its last line is the cause.
             text = str(error)
             if named and "Error whilst parsing config file" in text and "--verbose" not in argv:
-                lines = [line.strip() for line in text.splitlines() if line.strip()]
                 at = re.findall(rf'File "{re.escape(path)}", line (\d+)', text)
-                _fail(program, path, f"{f'line {at[-1]}: ' if at else ''}{lines[-1]}")
+                _fail(program, path, f"{f'line {at[-1]}: ' if at else ''}{_last_line(text)}")
             sys.stderr.write(f"FATAL Flags parsing error: {text}\n")  # as absl's own parser
             sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
             sys.exit(1)
@@ -85,17 +91,11 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
             override = _override(error)
             if override and isinstance(error, (AttributeError, KeyError)):
                 key, close = _missing_field(error)
-                close = f"; {close}" if close else ""
-                verbose = "; --verbose shows the traceback" if "verbose" in flags.FLAGS else ""
-                print(
-                    f"{program}: error: --{override}: the config of {path} has no field "
-                    f"{key!r}{close} (an override sets a field the config's get_config() made"
-                    f"{verbose})",
-                    file=sys.stderr,
-                )
-                sys.exit(1)
+                cause = f"the config of {path} has no field {key!r}{f'; {close}' if close else ''}"
+                expected = "an override sets a field the config's get_config() made"
+                _exit(program, f"--{override}", cause, expected)
             if isinstance(error, OSError):  # a file not read, found when an override is applied
-                _fail(program, path, str(error).strip().splitlines()[-1].strip())
+                _fail(program, path, _last_line(str(error)))
             frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
             where = f"line {frames[-1].lineno}: " if frames else ""
             _fail(program, path, f"{where}{type(error).__name__}: {error}")
@@ -111,5 +111,5 @@ def loaded(holder: flags.FlagHolder, program: str):
         config.get("cpu_devices")  # the first use, where a file not read is reported
     except OSError as error:
         path = config_flags.get_config_filename(flags.FLAGS[holder.name])
-        _fail(program, path, str(error).strip().splitlines()[-1].strip())
+        _fail(program, path, _last_line(str(error)))
     return config
