@@ -53,14 +53,15 @@ def hashed_together(fn: Callable) -> Callable:
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
         if any(internals.is_key(v.aval) for v in closed.jaxpr.outvars):
             return fn(*args)
+        leaves = jax.tree.leaves(args)
         try:
-            program = _flatten(internals, closed, [_Slot() for _ in jax.tree.leaves(args)], {})
+            inputs, equations = [_Slot() for _ in leaves], []
+            outputs = _inline(internals, closed, inputs, equations, {})
             # A key argument enters as its data, as the key operations were expanded to take it.
-            leaves = [
-                jax.random.key_data(x) if internals.is_key(jax.typeof(x)) else x
-                for x in jax.tree.leaves(args)
+            data = [
+                jax.random.key_data(x) if internals.is_key(jax.typeof(x)) else x for x in leaves
             ]
-            outputs = _evaluate(internals, program, leaves)
+            outputs = _evaluate(internals, equations, dict(zip(inputs, data)), outputs)
         except _Unsupported:
             return fn(*args)
         except Exception as error:  # a jax whose programs differ: its values stay right, slower
@@ -95,22 +96,12 @@ class _Slot:
     __slots__ = ()
 
 
-class _Program:
-    def __init__(self, inputs, outputs, equations):
-        self.inputs, self.outputs, self.equations = inputs, outputs, equations
-
-
-def _flatten(internals, closed, inputs: list, expanded: dict) -> _Program:
-    """``closed`` as one list of ``(primitive, params, inputs, outputs)`` over physical values:
-    nested calls inlined, key arrays as their uint32 data, the key operations expanded into the
-    hashes they make (``expanded``: those programs by signature, traced once per rewrite, under
-    the config it runs with: ``jax_threefry_partitionable`` changes them)."""
-    equations: list = []
-    outputs = _inline(internals, closed, inputs, equations, expanded)
-    return _Program(inputs, outputs, equations)
-
-
 def _inline(internals, closed, inputs: list, equations: list, expanded: dict) -> list:
+    """``closed`` appended to ``equations`` as ``(primitive, params, inputs, outputs)`` over
+    physical values: nested calls inlined, key arrays as their uint32 data, the key operations
+    expanded into the hashes they make (``expanded``: those programs by signature, traced once
+    per rewrite, under the config it runs with: ``jax_threefry_partitionable`` changes them)
+    -> its outputs."""
     jaxpr, env = closed.jaxpr, {}
 
     def read(var):
@@ -147,24 +138,26 @@ def _inline(internals, closed, inputs: list, equations: list, expanded: dict) ->
 
 
 def _expanded(internals, primitive, avals, params, expanded: dict):
-    """The program of a key operation over its keys' data (``expanded``: see ``_flatten``)."""
-    try:
-        signature = (primitive, tuple(avals), tuple(sorted(params.items())))
-        hash(signature)
-    except TypeError:
-        signature = None
-    if signature is None or signature not in expanded:
+    """The program of a key operation over its keys' data (``expanded``: see ``_inline``)."""
+
+    def trace():
         fn = internals.expansions[primitive](avals, params)
         physical = [internals.physical_aval(a) for a in avals]
-        traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in physical))
-        if signature is None:
-            return traced
-        expanded[signature] = traced
+        return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in physical))
+
+    signature = (primitive, tuple(avals), tuple(sorted(params.items())))
+    try:
+        hash(signature)
+    except TypeError:
+        return trace()
+    if signature not in expanded:
+        expanded[signature] = trace()
     return expanded[signature]
 
 
-def _evaluate(internals, program: _Program, args: list) -> list:
-    values = dict(zip(program.inputs, args))
+def _evaluate(internals, equations: list, values: dict, outputs: list) -> list:
+    """``outputs`` of ``equations`` (``_inline``'s) from ``values``, the inputs' values, the
+    hashes deferred and batched round by round."""
 
     def get(x):
         return x[1] if isinstance(x, tuple) else values[x]
@@ -172,7 +165,7 @@ def _evaluate(internals, program: _Program, args: list) -> list:
     def ready(equation):
         return all(isinstance(x, tuple) or x in values for x in equation[2])
 
-    todo = program.equations
+    todo = equations
     while todo:
         progressed = True
         while progressed:  # every operation but the hashes, as far as the values go
@@ -194,7 +187,7 @@ def _evaluate(internals, program: _Program, args: list) -> list:
         _hash(internals, hashes, get, values)
         done = set(map(id, hashes))
         todo = [e for e in todo if id(e) not in done]
-    return [get(x) for x in program.outputs]
+    return [get(x) for x in outputs]
 
 
 def _hash(internals, hashes: list, get, values: dict) -> None:
