@@ -62,6 +62,7 @@ ENV_MAX_GB = "ATTNJAX_EXECUTABLE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 2.0
 SUFFIX = ".executable"
 RESULTS_SUFFIX = ".results"
+NOTE_SUFFIX = ".note"  # a number read from a program's trace, kept beside it (``beside``)
 SUBDIRECTORY = "attnjax-executables"  # JAX's own cache reads only its files, not folders
 VERSIONED = ("jax", "jaxlib", "flax", "optax", "chex")
 # jax settings that change the program traced from the same Python.
@@ -203,8 +204,9 @@ class ExecutableCache:
             lowered, platform = jitted.lower(*args), _platform(args) or jax.default_backend()
             ahead[signature] = _compiler().submit(self._compile, path, lowered, platform)
 
-        # What else reads the program (the FLOP count for MFU, ahead-of-time compiles) traces it.
+        # What else reads the program traces it (the MFU count, kept at ``beside``; compiles).
         call.trace, call.lower, call.prepare = jitted.trace, jitted.lower, prepare
+        call.beside = lambda suffix, *args: self._path(name, _signature(args)).with_suffix(suffix)
         return call
 
     def memoized(self, name: str, jitted: Callable, run_once: bool = False) -> Callable:
@@ -452,7 +454,7 @@ def _device_ids(tree) -> set[int]:
 def _bound_size(where: pathlib.Path) -> None:
     limit = float(os.environ.get(ENV_MAX_GB, DEFAULT_MAX_GB)) * 2**30
     entries = []
-    for path in (*where.glob(f"*{SUFFIX}"), *where.glob(f"*{RESULTS_SUFFIX}")):
+    for path in (p for end in (SUFFIX, RESULTS_SUFFIX, NOTE_SUFFIX) for p in where.glob(f"*{end}")):
         try:
             stat = path.stat()
         except FileNotFoundError:  # removed by another process meanwhile

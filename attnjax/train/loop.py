@@ -370,8 +370,7 @@ class _Throughput:
 def _model_flops_step(run: _Run) -> Callable:
     """The step whose products MFU counts: the train step, or where the model recomputes its
     blocks (remat), the same step traced without recomputing them (traced, never compiled)."""
-    plain = performance.without_remat(run.model)
-    if plain is run.model:
+    if (plain := performance.without_remat(run.model)) is run.model:
         return run.train_step
     step = functools.partial(run.task.train_step, config=run.config, model=plain, axis_name=None)
     return jax.jit(run.dp.traced_on_mesh(step))
@@ -402,7 +401,8 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
         if step % config.log_every == 0 or last:
             # The step's FLOPs, for MFU, counted once: the shapes it just ran on.
             if run.dp.mode == "jit" and run.utilization.flops_per_step is None:
-                run.utilization.count(_model_flops_step(run), state, batch, step_keys(step - 1))
+                args = (state, batch, step_keys(step - 1))
+                run.utilization.count(_model_flops_step(run), *args, kept_by=run.train_step)
             result.update(_log_train(run, step, pending, throughput))
             pending = []
         if step % config.eval_every == 0 or last:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attnjax import compat, xla_cpu
-from attnjax.train import compilation_cache, executables, host_trees
+from attnjax.train import compilation_cache, executables, host_trees, performance
 
 
 @pytest.fixture
@@ -120,6 +120,24 @@ def test_the_cached_step_still_traces_and_lowers_for_whoever_reads_its_program(c
     jaxpr = step.trace(state(), jnp.eye(4)).jaxpr  # what the FLOP count for MFU reads
     assert "tanh" in str(jaxpr) and traced == [(4, 4)]
     assert "tanh" in step.lower(state(), jnp.eye(4)).as_text()
+
+
+def test_the_mfu_count_is_kept_beside_the_step_and_read_by_a_run_that_loads_it(cache_dir):
+    """A repeated run loads its step without tracing it, and reads the step's FLOP count
+    instead of tracing the step for it; a damaged count is traced and written again."""
+    x = jnp.eye(4)
+    for kept, expected in ((False, [(4, 4)]), (True, []), ("damaged", [(4, 4)])):
+        jitted, traced = counted_step()
+        step = executables.ExecutableCache({"config": {}}).cached("step", jitted)
+        step(state(), x)
+        note = step.beside(performance.NOTE, state(), x)
+        assert note.exists() == bool(kept) and note.name.endswith(executables.NOTE_SUFFIX)
+        if kept == "damaged":
+            note.write_text("half a numb")
+        utilization = performance.Utilization(jax.devices("cpu")[:1])
+        utilization.count(step, state(), x, kept_by=step)
+        assert traced == expected, kept
+        assert utilization.flops_per_step == 2 * 4 * 4 * 4 == float(note.read_text())
 
 
 def test_one_step_called_with_two_signatures_in_turn_runs_each_own_program(cache_dir):
