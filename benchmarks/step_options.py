@@ -51,6 +51,9 @@ def measure(step, options: dict, rounds: int) -> dict:
         programs[label] = lowered.compile(compiler_options=options[label] or None)
         result[f"{label}_compile_s"] = time.perf_counter() - start
         result[f"{label}_compile_cpu_s"] = time.process_time() - cpu
+        # The step's temporary buffers: what each call allocates afresh (and a first call faults
+        # in), per device.
+        result[f"{label}_temp_mib"] = programs[label].memory_analysis().temp_size_in_bytes / 2**20
     outputs = {k: jax.tree.leaves(p(step.state, *step.inputs)) for k, p in programs.items()}
     result["same_bits"] = all(
         np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(outputs["a"], outputs["b"])
@@ -86,14 +89,15 @@ def table(results: dict, machine: dict) -> str:
         f"`{json.dumps(machine['a'])}`, b: `{json.dumps(machine['b'])}`; {machine['rounds']} "
         "rounds alternating, a round's step the median of 3 calls.",
         "",
-        "| workload | compile s (CPU s), a | compile s (CPU s), b | same bits | step ms, a | "
-        "step ms, b | a / b (medians) |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | compile s (CPU s), a | compile s (CPU s), b | temp MiB, a | temp MiB, b | "
+        "same bits | step ms, a | step ms, b | a / b (medians) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         lines.append(
             f"| {r['workload']} | {r['a_compile_s']:.2f} ({r['a_compile_cpu_s']:.2f}) | "
             f"{r['b_compile_s']:.2f} ({r['b_compile_cpu_s']:.2f}) | "
+            f"{r.get('a_temp_mib', float('nan')):.0f} | {r.get('b_temp_mib', float('nan')):.0f} | "
             f"{'yes' if r['same_bits'] else 'no'} | {', '.join(f'{x:.0f}' for x in r['a_ms'])} | "
             f"{', '.join(f'{x:.0f}' for x in r['b_ms'])} | {r['a_over_b']:.2f} |"
         )
