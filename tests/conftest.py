@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import platform
+import tempfile
 
 from attnjax import compat
 from attnjax.train import collector
@@ -169,6 +170,22 @@ def made_once(tmp_path_factory, name):
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield path, (path / "made").exists()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_directory(tmp_path_factory):
+    """What the tests and their processes leave in the temporary directory (TFDS's preparation
+    directories, a notebook's workdir) lands in this session's, which pytest deletes with the
+    sessions before the last three, not in /tmp for good: CI shares this machine's disk."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # gettempdir() reads $TMPDIR again
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session")
