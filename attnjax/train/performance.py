@@ -149,11 +149,12 @@ class Utilization:
         if self.flops_per_step is not None or not hasattr(jitted_step, "trace"):
             return
         kept = kept_by.beside(NOTE, *args) if hasattr(kept_by, "beside") else None
-        try:
-            self._set(float(kept.read_text()))
-            return
-        except (AttributeError, OSError, ValueError):  # none kept yet, or damaged
-            pass
+        if kept is not None:
+            try:
+                self._set(float(kept.read_text()))
+                return
+            except (OSError, ValueError):  # none kept yet, or damaged: counted and written again
+                pass
         self._set(product_flops(jitted_step.trace(*args).jaxpr)[0])
         if kept is not None:
             _write_whole(kept, repr(self.flops_per_step))
