@@ -21,6 +21,7 @@ arrays (``TENSORSTORE_GCS_HTTP_URL``, ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` for one)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -103,17 +104,22 @@ def read_text(location) -> str:
 
 def write_atomic(location, data: bytes | str) -> None:
     """Writes the whole file so that a reader, or a run killed meanwhile, sees the old content
-    or the new, never a part."""
+    or the new, never a part; a write that fails (a full disk) raises and leaves no part."""
     data = data.encode() if isinstance(data, str) else data
     if is_remote(location):
         path(location).write_bytes(data)
         return
     private = f"{location}.{uuid.uuid4().hex}.tmp"  # unique across hosts sharing the disk
-    with open(private, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(private, location)
+    try:
+        with open(private, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(private, location)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(private)
+        raise
 
 
 def create_exclusive(location, data: bytes | str) -> bool:

@@ -28,6 +28,22 @@ def where(request, tmp_path):
     return f"gs://test/{uuid.uuid4().hex}"
 
 
+def test_a_whole_write_that_fails_leaves_the_old_file_and_no_part(tmp_path):
+    """A file size limit of 4 KiB (EFBIG, a full disk's per-process sibling) on a real process."""
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    script = (
+        "import resource, signal; from attnjax import storage; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+        f"storage.write_atomic({str(target)!r}, b'x' * 8192)"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1 and "File too large" in run.stderr, run.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert target.read_text() == "old"
+
+
 def test_whole_writes_appends_and_listings(where):
     storage.makedirs(where)
     config = storage.join(where, "config.json")
