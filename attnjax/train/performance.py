@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from typing import Callable
 
 import jax
 import jax.extend
 from absl import logging
 
-from attnjax.train import accelerators
+from attnjax import storage
+from attnjax.train import accelerators, executables
 
-NOTE = ".flops.note"  # the count's suffix beside a kept step (executables.NOTE_SUFFIX ends it)
+NOTE = f".flops{executables.NOTE_SUFFIX}"  # the count's file beside a kept step
 
 
 def trace_for_host(function: Callable, *args):
@@ -157,7 +157,10 @@ class Utilization:
                 pass
         self._set(product_flops(jitted_step.trace(*args).jaxpr)[0])
         if kept is not None:
-            _write_whole(kept, repr(self.flops_per_step))
+            try:
+                storage.write_atomic(kept, repr(self.flops_per_step))
+            except OSError as error:  # a full disk: the next run counts again
+                logging.warning("%s not written: %s", kept, error)
 
     def scalars(self, steps_per_sec: float) -> dict:
         if not self.flops_per_step:
@@ -167,18 +170,6 @@ class Utilization:
             "train/tflops_per_device": rate / len(self.devices) / 1e12,
             "train/mfu": rate / self.peak,
         }
-
-
-def _write_whole(path, text: str) -> None:
-    """``text`` at ``path``, whole or not at all for a process reading meanwhile; a full disk
-    leaves nothing (the next run counts again)."""
-    private = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        private.write_text(text)
-        os.replace(private, path)
-    except OSError as error:
-        private.unlink(missing_ok=True)
-        logging.warning("%s not written: %s", path, error)
 
 
 def parse_steps(text: str) -> range | None:
