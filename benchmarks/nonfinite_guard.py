@@ -73,10 +73,7 @@ def build(name: str):
 
     description, module, overrides, batch_size = ROWS[name]
     config = importlib.import_module(f"configs.{module}").get_config()
-    with config.unlocked():
-        for key, value in overrides.items():
-            section, field = key.split(".")
-            config[section][field] = value
+    config.update_from_flattened_dict(overrides)
     task = tasks.get_task(config.task)
     model = task.create_model(config)
     size, channels = config.data.image_size, model.in_channels
