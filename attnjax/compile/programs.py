@@ -4,7 +4,7 @@ eval step and, for a task with ``sample_step``, the sampler; what each holds and
 Nothing is initialised or run: the train state's shapes come from ``jax.eval_shape`` of the
 task's ``create_train_state``, batches from the task's ``abstract_batch``, and the mesh, layouts
 and jitted steps from the training loop itself (``loop.make_data_parallel``,
-``loop.compile_steps``), so what compiles here is what ``train.py`` would run.
+``steps.compile_steps``), so what compiles here is what ``train.py`` would run.
 
 FLOPs: ``flops`` counts the matrix products and convolutions of the program as traced (the whole
 global batch; ``attnjax.train.performance.product_flops``): model FLOPs, the same for every
@@ -30,7 +30,7 @@ from attnjax.compile import collectives as collective_bytes
 from attnjax.compile.targets import Target
 from attnjax.ops import autotune
 from attnjax.parallel import data_parallel
-from attnjax.train import loop, performance
+from attnjax.train import loop, performance, steps
 
 _COLLECTIVE = re.compile(r"\b(" + "|".join(collective_bytes.KINDS) + r")(?:-start)?\(")
 # Custom calls that run a hand-written kernel (Pallas on TPU, Triton or cuDNN on GPU).
@@ -150,7 +150,7 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
         "mask": jax.ShapeDtypeStruct((eval_size,), jnp.float32),
     }
     state = abstract_state(config, task, model, train_batch)
-    train_step, eval_step = loop.compile_steps(config, task, model, dp, state)
+    train_step, eval_step = steps.compile_steps(config, task, model, dp, state)
     placed = data_parallel.placed_shapes(state, dp.state_shardings(state))
     place_batch = lambda batch: data_parallel.placed_shapes(
         batch, jax.tree.map(lambda _: dp.batch_sharding, batch)

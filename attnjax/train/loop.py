@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import numbers
-import time
 from typing import Any, Callable
 
 import jax
@@ -40,6 +39,7 @@ from attnjax.train import (
     performance,
     preemption,
     report,
+    steps,
     workdir_lock,
 )
 
@@ -105,13 +105,14 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     init_rng, train_rng = keys.run_keys(config)
     # A resumed run replaces every value of its initial state: it needs only its shapes and layout.
     latest = checkpoint.latest_step(workdir) if dp.mode == "jit" else None
-    resuming, steps, state = latest is not None, None, None
+    resuming, prepared, state = latest is not None, None, None
     example = next(data.make_iterator(datasets.train, config.get("data")))
     # Steps to train and no kept train step (not a warm start): compiled on a thread from here.
     ahead = config.num_train_steps > (latest or 0) and not executables.reading_ahead()
     if resuming or (dp.mode == "jit" and ahead):
         state = _create_train_state(config, task, model, example, dp, init_rng, abstract=True)
-        steps = _steps(config, task, model, dp, state, ahead=(example, init_rng) if ahead else None)
+        ahead = (steps.placed_batch(example, dp), init_rng) if ahead and dp.mode == "jit" else None
+        prepared = steps.kept(config, task, model, dp, state, ahead=ahead)
     if not resuming:
         state = _create_train_state(config, task, model, example, dp, init_rng)
     profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)
@@ -149,7 +150,7 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
             state = dp.place_state(state)
         if saves_initial:
             ckpt.save(0, dp.checkpointable(state), train_iter.get_state())
-        train_step, eval_step = steps or _steps(config, task, model, dp, state)
+        train_step, eval_step = prepared or steps.kept(config, task, model, dp, state)
         batches = data_parallel.Prefetcher(
             train_iter, dp.shard_batch, size=config.get("prefetch", 2)
         )
@@ -224,22 +225,6 @@ def _make_datasets(config, task) -> data.Datasets:
     )
 
 
-def _steps(config, task, model, dp, state, ahead=None) -> tuple[Callable, Callable]:
-    """The train and eval steps for ``state`` (values or shapes); under jit kept, so that a
-    repeated run loads them as compiled. ``ahead``, ``(a train batch, a host key)``: a train
-    step not kept yet compiles on a thread from here, its CPU kernel choices timed first on idle
-    cores, while the caller builds the initial state (the first step waits for the longer)."""
-    train_step, eval_step = compile_steps(config, task, model, dp, state)
-    if dp.mode != "jit":
-        return train_step, eval_step
-    identity = executables.identity_of(config, task)
-    train_step, eval_step = executables.cached_steps(identity, train_step, eval_step)
-    if ahead and hasattr(train_step, "prepare"):  # not with the cache off, nor multi-process
-        with autotune.timing_window():  # a step's key is a host key like the run's
-            train_step.prepare(state, dp.shard_batch(ahead[0]), np.zeros_like(ahead[1]))
-    return train_step, eval_step
-
-
 def _create_train_state(config, task, model, example, dp, init_rng, abstract=False):
     """The task's initial state for ``example`` (a train batch); under jit already in the mesh
     layout restored checkpoints take. ``abstract``: its ``jax.ShapeDtypeStruct``s in that layout
@@ -305,18 +290,6 @@ def _log_setup(config, datasets, dp) -> None:
     )
 
 
-def compile_steps(config, task, model, dp, state) -> tuple[Callable, Callable]:
-    """The jitted ``train_step(state, batch, rng)`` and ``eval_step(state, batch)``; ``state``
-    may be abstract (``jax.ShapeDtypeStruct``s: only its layout is read)."""
-    train_step = dp.compile_train_step(
-        functools.partial(task.train_step, config=config, model=model),
-        dp.state_shardings(state) if dp.mode == "jit" else None,
-        data_parallel.train_step_compiler_options(config, dp.mesh) if dp.mode == "jit" else None,
-    )
-    eval_step = dp.compile_eval_step(functools.partial(task.eval_step, config=config, model=model))
-    return train_step, eval_step
-
-
 def _progress_bar(config, start: int, *, enabled: bool) -> tqdm.tqdm:
     return tqdm.tqdm(
         total=config.num_train_steps,
@@ -349,24 +322,6 @@ class _Run:
     progress: watchdog.Watchdog
 
 
-class _Throughput:
-    """Training steps per second, timed from one log (after its evaluation and save) to the
-    next: the first interval, which includes compilation, counts only if no later one comes."""
-
-    def __init__(self, start: int, num_steps: int):
-        self.start, self.num_steps = start, num_steps
-        self.seconds, self.steps, self.tick = 0.0, 0, time.perf_counter()
-
-    def add(self, step: int, count: int) -> None:
-        """At a log: ``count`` steps ran since the last."""
-        if step > self.start + count or step == self.num_steps:
-            self.seconds += time.perf_counter() - self.tick
-            self.steps += count
-
-    def restart(self) -> None:
-        self.tick = time.perf_counter()
-
-
 def _model_flops_step(run: _Run) -> Callable:
     """The step whose products MFU counts: the train step, or where the model recomputes its
     blocks (remat), the same step traced without recomputing them (traced, never compiled)."""
@@ -382,7 +337,7 @@ def _train(run: _Run, state, start: int, batches, step_keys, stop) -> tuple[Any,
     config, num_steps = run.config, run.config.num_train_steps
     result: dict = {"step": start}
     pending = []  # metrics of the steps since the last log, still on the device
-    throughput = _Throughput(start, num_steps)
+    throughput = performance.Throughput(start, num_steps)
     for step in range(start + 1, num_steps + 1):
         run.progress.enter("step", step)
         batch, data_state = next(batches)
@@ -432,7 +387,7 @@ def _report_first_step(run: _Run, metrics) -> None:
         run.bar.write(line)
 
 
-def _log_train(run: _Run, step: int, pending: list, throughput: _Throughput) -> dict:
+def _log_train(run: _Run, step: int, pending: list, throughput: performance.Throughput) -> dict:
     """Fetches the metrics of the steps since the last log, checks their non-finite flags and
     writes their averages -> the scalars written."""
     fetched = run.dp.fetch(pending)

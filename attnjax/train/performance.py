@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Callable
 
 import jax
@@ -26,6 +27,24 @@ from attnjax import storage
 from attnjax.train import accelerators, executables
 
 NOTE = f".flops{executables.NOTE_SUFFIX}"  # the count's file beside a kept step
+
+
+class Throughput:
+    """Training steps per second, timed from one log (after its evaluation and save) to the
+    next: the first interval, which includes compilation, counts only if no later one comes."""
+
+    def __init__(self, start: int, num_steps: int):
+        self.start, self.num_steps = start, num_steps
+        self.seconds, self.steps, self.tick = 0.0, 0, time.perf_counter()
+
+    def add(self, step: int, count: int) -> None:
+        """At a log: ``count`` steps ran since the last."""
+        if step > self.start + count or step == self.num_steps:
+            self.seconds += time.perf_counter() - self.tick
+            self.steps += count
+
+    def restart(self) -> None:
+        self.tick = time.perf_counter()
 
 
 def trace_for_host(function: Callable, *args):

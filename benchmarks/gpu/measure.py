@@ -3,9 +3,10 @@ emit) -> dict``. ``emit(partial)`` hands over what a part has measured so far, s
 stopped at its time limit still reports it.
 
 Every number comes from the library's own code: the configs, the tasks' models, train states and
-train steps, the training loop's placement and jitted steps (``attnjax.train.loop``), its FLOP
-count and MFU (``attnjax.train.performance.Utilization``), the compile command's programs and
-report (``attnjax.compile``), the prior's sampler and attention's forced implementations.
+train steps, the training loop's placement and jitted steps (``attnjax.train.loop`` and
+``steps``), its FLOP count and MFU (``attnjax.train.performance.Utilization``), the compile
+command's programs and report (``attnjax.compile``), the prior's sampler and attention's forced
+implementations.
 ``dry_run`` runs the same code at tiny sizes on the CPU.
 """
 
@@ -27,7 +28,7 @@ from attnjax.compile import programs, report, targets
 from attnjax.models import lpips
 from attnjax.tasks import prior as prior_task
 from attnjax.tasks import vqgan as vqgan_task
-from attnjax.train import accelerators, compilation_cache, executables, loop, performance
+from attnjax.train import accelerators, compilation_cache, executables, loop, performance, steps
 
 # ViT-B/16 at 224 px: the resolution of the published H100 rate docs/accelerators.md compares its
 # prediction with, and one whose train step has no loop of unknown length, so the compile command
@@ -150,7 +151,7 @@ def first_step(config, high: dict, batches: int = 1) -> dict:
     )
     state = jax.block_until_ready(dp.place_state(state))
     init = {"seconds": time.perf_counter() - start, **_stages_since(*before)}
-    train_step, eval_step = loop.compile_steps(config, task, model, dp, state)
+    train_step, eval_step = steps.compile_steps(config, task, model, dp, state)
     # As the training loop does: a repeated run loads the steps as compiled, without tracing.
     identity = executables.identity_of(config, task)
     train_step, _ = executables.cached_steps(identity, train_step, eval_step)
