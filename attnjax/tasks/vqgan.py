@@ -216,11 +216,16 @@ def create_train_state(rng, config, model, example_batch) -> TrainState:
 
 
 def abstract_batch(config, batch_size: int) -> dict:
-    """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``)."""
+    """A train batch's shapes and dtypes, for compiling without data (``attnjax.compile``): the
+    data pipeline's batch, labels included (the step does not read them), so that the program
+    compiled is the one train.py runs."""
     ddconfig = config.model.ddconfig
     size = config.data.get("image_size") or ddconfig.resolution
     shape = (batch_size, size, size, ddconfig.in_channels)
-    return {"image": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    return {
+        "image": jax.ShapeDtypeStruct(shape, jnp.float32),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
 
 
 def _rgb(x):

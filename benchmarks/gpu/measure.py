@@ -96,12 +96,12 @@ def _config(name: str, overrides: dict):
 
 def _synthetic_batch(abstract: dict, high: dict, seed: int = 0) -> dict:
     """Random host arrays of ``abstract``'s shapes: floats in [-1, 1], integers in
-    ``[0, high[key])``."""
+    ``[0, high[key])`` (zeros for a key ``high`` leaves out: labels the task does not read)."""
     rng = np.random.default_rng(seed)
     batch = {}
     for key, spec in abstract.items():
         if jnp.issubdtype(spec.dtype, jnp.integer):
-            batch[key] = rng.integers(0, high[key], spec.shape).astype(spec.dtype)
+            batch[key] = rng.integers(0, high.get(key, 1), spec.shape).astype(spec.dtype)
         else:
             batch[key] = rng.uniform(-1, 1, spec.shape).astype(spec.dtype)
     return batch

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import assert_close, count_compilations
+from helpers import assert_close, count_compilations, tiny_prior_config
 
+from attnjax import data
 from attnjax.models import gpt, sampling, vqgan
 from attnjax.tasks import prior, vqgan_codes
+from attnjax.train import executables, loop, steps
 
 
 def _models():
@@ -209,8 +211,6 @@ def test_shift_moves_pixels_with_zero_fill():
 
 
 def test_shifted_images_come_image_by_image_each_with_its_shifts_in_order(tiny_vqgan):
-    from attnjax import data
-
     config = tiny_vqgan.config.data
     raw, raw_labels = data.eval_images(config, "test")
     shifted, labels = prior.load_images(config, "test", 1)
@@ -230,7 +230,6 @@ def test_finalize_reports_the_fid_of_samples_on_a_classifiers_pre_logits(trained
     distance of ``np.mean``/``np.cov`` of the ViT's own pre-logits."""
     from pytorch_fid.fid_score import calculate_frechet_distance
 
-    from attnjax import data
     from attnjax.tasks import classification
     from attnjax.train import checkpoint
 
@@ -277,3 +276,15 @@ def test_finalize_reports_the_fid_of_samples_on_a_classifiers_pre_logits(trained
         *statistics(samples), *statistics(data.denormalize(real, vqgan.config.data))
     )
     assert_close(result["eval/fid"], expected, rtol=1e-3, what="eval/fid against pytorch-fid")
+
+
+@pytest.mark.xdist_group("trained_runs")
+def test_the_abstract_batch_is_the_codes_batch(trained_runs):
+    """``abstract_batch``, which the compile command compiles the train step for, is the batch
+    of the codes train.py reads: the same program."""
+    config = tiny_prior_config(trained_runs["vqgan"])
+    dp = loop.make_data_parallel(config, prior)
+    example = next(data.make_iterator(loop._make_datasets(config, prior).train, config.get("data")))
+    announced = steps.placed_batch(prior.abstract_batch(config, config.batch_size), dp)
+    assert announced == steps.placed_batch(example, dp)
+    assert executables._signature(announced) == executables._signature(dp.shard_batch(example))

@@ -15,7 +15,7 @@ from helpers import assert_close, load_config, tiny_vit, tiny_vit_config, tiny_v
 
 from attnjax import compat, data
 from attnjax.tasks import classification, get_task, train_and_evaluate
-from attnjax.train import executables, loop, report
+from attnjax.train import executables, loop, report, steps
 
 # ---- a short real run: every output a person looks at -------------------------------------
 
@@ -193,8 +193,12 @@ def test_a_resuming_runs_target_is_the_initial_states_shapes_and_layout(make_con
         assert isinstance(t, jax.ShapeDtypeStruct) and not isinstance(x, jax.ShapeDtypeStruct)
         assert (t.shape, t.dtype, t.sharding) == (x.shape, x.dtype, x.sharding)
     # The signature a program is kept under: the train step compiled ahead for the shapes is
-    # the one the first step's values call.
+    # the one the first step's values call; the task's abstract batch, which the compile command
+    # compiles for, is the data's.
     assert executables._signature((target,)) == executables._signature((state,))
+    announced = steps.placed_batch(task.abstract_batch(config, config.batch_size), dp)
+    assert announced == steps.placed_batch(example, dp)
+    assert executables._signature(announced) == executables._signature(dp.shard_batch(example))
 
 
 def test_read_metrics_keeps_the_last_record_of_each_step_and_kind(tmp_path):
