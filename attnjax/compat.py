@@ -44,9 +44,18 @@ def xla_cpu_speed_flags() -> list[str]:
     noise in every family on both ends of the supported range: on jaxlib 0.10.2 YNNPACK's
     convolutions run on one thread (a VQGAN-sized layer with both gradients 40.6 ms against
     23.1 ms, 2-core EPYC) while its reductions are 4x XLA's own; on 0.12.0.1 its convolutions
-    are threaded but no faster (21.9 against 21.2 ms). The flag exists on every jaxlib the range
+    are threaded but no faster (21.9 against 21.2 ms).
+
+    And XLA's concurrency-optimised scheduler off: it orders a train step so that more of its
+    buffers are live at once. ViT-B/16's task step (batch 8, one device) holds 2058 MiB of
+    temporaries with it and 1599 MiB without, the same bits, no step or first step slower
+    (benchmarks/results/step_options_scheduler_off.md, first_step_flags_scheduler.md): a larger
+    batch fits, and a step faults in less memory. Both flags exist on every jaxlib the range
     admits (pyproject.toml: from 0.10.2)."""
-    return ["--xla_cpu_experimental_ynn_fusion_type=reduce"]
+    return [
+        "--xla_cpu_experimental_ynn_fusion_type=reduce",
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+    ]
 
 
 def xla_backends_started() -> bool:
