@@ -104,8 +104,17 @@ def environment(cache_home: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.pop("ATTNJAX_CPU_AUTOTUNE", None)
     # A CPU machine's run: no TPU runtime to probe (libtpu is in the dev environment for
-    # compiling TPU programs, not for running).
-    return dict(env, XDG_CACHE_HOME=cache_home, TF_CPP_MIN_LOG_LEVEL="2", JAX_PLATFORMS="cpu")
+    # compiling TPU programs, not for running). Temporary files (TFDS leaves empty directories
+    # behind) under the cache's folder, which goes with the benchmark's own directory.
+    temporary = os.path.join(cache_home, "tmp")
+    os.makedirs(temporary, exist_ok=True)
+    return dict(
+        env,
+        XDG_CACHE_HOME=cache_home,
+        TMPDIR=temporary,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        JAX_PLATFORMS="cpu",
+    )
 
 
 def prepare(directory: pathlib.Path) -> tuple[str, str, str]:
@@ -116,7 +125,11 @@ def prepare(directory: pathlib.Path) -> tuple[str, str, str]:
     from attnjax import data
 
     data_dir = directory / "tfds"
-    data.load_source("digits", "train", str(data_dir))
+    tempfile.tempdir = str(directory)  # TFDS's preparation directories, gone with it
+    try:
+        data.load_source("digits", "train", str(data_dir))
+    finally:
+        tempfile.tempdir = None
     vqgan = directory / "vqgan"
     subprocess.run(
         [
