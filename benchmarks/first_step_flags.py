@@ -36,7 +36,7 @@ def starts(name: str, flags: str, directory: pathlib.Path, inputs, tag: str) -> 
     env = first_step.environment(str(directory / f"cache_{tag}"))
     env["XLA_FLAGS"] = flags
     seconds = []
-    for index, _ in enumerate(KINDS):
+    for index in range(len(KINDS)):
         workdir = str(directory / f"run_{tag}_{index}")
         command = first_step.jax_command(config_flags, workdir, data_dir, folder, vqgan)
         if "prior" in name:  # the VQGAN's codes encoded cold, then read, per setting

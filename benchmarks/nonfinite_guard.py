@@ -67,12 +67,11 @@ def cond_apply_gradients(state, grads, metrics, *, config, tx, axis_name=None):
 
 def build(name: str):
     """``(description, train_step(state, batch, rng), state, batch)`` of a row's config."""
-    import importlib
-
+    import configs
     from attnjax import tasks
 
     description, module, overrides, batch_size = ROWS[name]
-    config = importlib.import_module(f"configs.{module}").get_config()
+    config = configs.load(module)
     config.update_from_flattened_dict(overrides)
     task = tasks.get_task(config.task)
     model = task.create_model(config)

@@ -39,11 +39,10 @@ def _init(name: str):
         model = gpt.GPT(vocab_size=522, block_size=16, n_layer=4, n_head=4, n_embd=128)
         return model.init, jnp.zeros((1, 16), jnp.int32)
     if name in ("vit_digits", "vqgan_digits"):
-        import importlib
-
+        import configs
         from attnjax import tasks
 
-        config = importlib.import_module(f"configs.{name}").get_config()
+        config = configs.load(name)
         task = tasks.get_task(config.task)
         model = task.create_model(config)
         model = model["autoencoder"] if isinstance(model, dict) else model

@@ -152,9 +152,6 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
     state = abstract_state(config, task, model, train_batch)
     train_step, eval_step = steps.compile_steps(config, task, model, dp, state)
     placed = data_parallel.placed_shapes(state, dp.state_shardings(state))
-    place_batch = lambda batch: data_parallel.placed_shapes(
-        batch, jax.tree.map(lambda _: dp.batch_sharding, batch)
-    )
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=dp.replicated)
     plans = {
         "train": (
@@ -166,13 +163,13 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
                 model=performance.without_remat(model),
                 axis_name=None,
             ),
-            (placed, place_batch(train_batch), rng),
+            (placed, steps.placed_batch(train_batch, dp), rng),
             train_size,
         ),
         "eval": (
             eval_step,
             functools.partial(task.eval_step, config=config, model=model),
-            (placed, place_batch(eval_batch)),
+            (placed, steps.placed_batch(eval_batch, dp)),
             eval_size,
         ),
     }
@@ -181,7 +178,7 @@ def compile_programs(config, task, target: Target, only=None) -> tuple[dict, lis
         plans["sample"] = (
             jax.jit(sample),
             sample,
-            (placed, place_batch(eval_batch), rng),
+            (placed, steps.placed_batch(eval_batch, dp), rng),
             eval_size,
         )
     names = [name for name in plans if only is None or name in only]

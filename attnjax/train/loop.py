@@ -111,8 +111,8 @@ def train_and_evaluate(config, workdir: str, task) -> dict:
     ahead = config.num_train_steps > (latest or 0) and not executables.reading_ahead()
     if resuming or (dp.mode == "jit" and ahead):
         state = _create_train_state(config, task, model, example, dp, init_rng, abstract=True)
-        ahead = (steps.placed_batch(example, dp), init_rng) if ahead and dp.mode == "jit" else None
-        prepared = steps.kept(config, task, model, dp, state, ahead=ahead)
+        batch_and_key = (steps.placed_batch(example, dp), init_rng) if ahead else None
+        prepared = steps.kept(config, task, model, dp, state, ahead=batch_and_key)
     if not resuming:
         state = _create_train_state(config, task, model, example, dp, init_rng)
     profile = performance.ProfileWindow(config, workdir, enabled=jax.process_index() == 0)

@@ -45,9 +45,9 @@ def kept(config, task, model, dp, state, ahead=None) -> tuple[Callable, Callable
 
 
 def placed_batch(batch, dp) -> dict:
-    """A process's train batch (arrays or ``jax.ShapeDtypeStruct``s) as the jitted train step
-    takes it: ``jax.ShapeDtypeStruct``s of the global batch on ``dp``'s mesh, 64-bit host values
-    narrowed as JAX narrows them (the program a call of that batch looks up)."""
+    """A process's batch (arrays or ``jax.ShapeDtypeStruct``s) as a jitted step takes it:
+    ``jax.ShapeDtypeStruct``s of the global batch on ``dp``'s mesh, 64-bit host values narrowed
+    as JAX narrows them (the program a call of that batch looks up)."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
             (x.shape[0] * jax.process_count(), *x.shape[1:]),
