@@ -37,8 +37,23 @@ KEPT = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_thres
 HUGE_PAGES = huge_pages.tunables_with_huge_pages("")
 # Huge pages' setting without the huge pages: blocks kept in each thread's heaps, 4 KiB pages.
 HEAPS = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
-SETTINGS = {"huge pages": HUGE_PAGES, "kept": KEPT, "heaps": HEAPS, "glibc's defaults": ""}
-SHORT = {"huge pages": "huge", "kept": "kept", "heaps": "heaps", "glibc's defaults": "glibc's"}
+# Huge pages in one heap that every thread shares: memory one thread faulted in and freed is
+# there for the blocks any other thread asks for next (``--prefault-gib``).
+ONE_HEAP = HUGE_PAGES + ":glibc.malloc.arena_max=1"
+SETTINGS = {
+    "huge pages": HUGE_PAGES,
+    "huge pages, one heap": ONE_HEAP,
+    "kept": KEPT,
+    "heaps": HEAPS,
+    "glibc's defaults": "",
+}
+SHORT = {
+    "huge pages": "huge",
+    "huge pages, one heap": "one-heap",
+    "kept": "kept",
+    "heaps": "heaps",
+    "glibc's defaults": "glibc's",
+}
 BASELINE = "glibc's defaults"
 
 # One process: every row's attnjax step and torch step, and the attnjax step's faults and kernel
@@ -49,7 +64,19 @@ sys.path.insert(0, "benchmarks")
 import compare_torch
 from timing import median_seconds
 
-rows, repeats = sys.argv[1].split(","), int(sys.argv[2])
+rows, repeats, prefault = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+if prefault:  # faulted in by this thread alone, then freed to the heap the first call takes
+    import ctypes, time
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    start = time.perf_counter()
+    block = libc.malloc(prefault)
+    if block:
+        libc.memset(block, 0, prefault)
+        libc.free(block)
+    prefault_s = time.perf_counter() - start
 compare_torch.use_devices(0)
 compare_torch.torch.set_num_threads(compare_torch.os.cpu_count())
 results = {}
@@ -79,14 +106,14 @@ with tempfile.TemporaryDirectory() as directory:
             kernel_s_per_step=(after.ru_stime - before.ru_stime) / repeats,
             **first,
         )
-print(json.dumps({"rows": results}))
+print(json.dumps({"rows": results, "prefault_s": prefault_s if prefault else 0.0}))
 """
 
 
-def run(rows: str, repeats: int, tunables: str) -> dict:
+def run(rows: str, repeats: int, tunables: str, prefault: int = 0) -> dict:
     env = {**os.environ, "GLIBC_TUNABLES": tunables, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", PROCESS, rows, str(repeats)],
+        [sys.executable, "-c", PROCESS, rows, str(repeats), str(prefault)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -120,6 +147,15 @@ def table(runs: dict, machine: dict) -> str:
         f"cores; {machine['rounds']} rounds "
         "of fresh processes, the settings alternating; a cell lists each round's median step.",
         "",
+    ]
+    if machine.get("prefault_gib") and "huge pages, one heap" in runs:
+        seconds = ", ".join(f"{r['prefault_s']:.2f}" for r in runs["huge pages, one heap"])
+        lines += [
+            f"One heap: {machine['prefault_gib']} GiB faulted in by one thread and freed before "
+            f"the first row ({seconds} s).",
+            "",
+        ]
+    lines += [
         "| row | " + " | ".join(header) + " |",
         "|---|" + "---|" * len(header),
     ]
@@ -163,8 +199,17 @@ def main() -> None:
         default=",".join(SHORT.values()),
         help=f"comma-separated, from {list(SHORT.values())}; glibc's defaults always run",
     )
+    parser.add_argument(
+        "--prefault-gib",
+        type=float,
+        default=0.0,
+        help="in the one-heap setting, GiB faulted in and freed before the first row",
+    )
     parser.add_argument("--out", default=str(RESULTS / "malloc_cpu.json"))
     args = parser.parse_args()
+    prefault = int(args.prefault_gib * 2**30)
+    if prefault < 0:
+        raise SystemExit(f"--prefault-gib: {args.prefault_gib} is negative; expected GiB >= 0")
     chosen = set(args.settings.split(",")) | {SHORT[BASELINE]}
     unknown = sorted(chosen - set(SHORT.values()))
     if unknown:
@@ -174,11 +219,16 @@ def main() -> None:
     runs = {setting: [] for setting in SETTINGS if SHORT[setting] in chosen}
     for round_ in range(args.rounds):
         for setting in runs:
-            result = run(args.rows, args.repeats, SETTINGS[setting])
+            extra = prefault if setting == "huge pages, one heap" else 0
+            result = run(args.rows, args.repeats, SETTINGS[setting], extra)
             runs[setting].append(result)
             print(f"round {round_ + 1}, {setting}: {json.dumps(result['rows'])}", flush=True)
     machine = dict(
-        processor=processor(), details=processor_details(), cores=cpu_cores(), rounds=args.rounds
+        processor=processor(),
+        details=processor_details(),
+        cores=cpu_cores(),
+        rounds=args.rounds,
+        prefault_gib=args.prefault_gib,
     )
     out = pathlib.Path(args.out)
     out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=2))
