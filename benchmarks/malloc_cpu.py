@@ -39,17 +39,17 @@ HUGE_PAGES = huge_pages.tunables_with_huge_pages("")
 HEAPS = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 # Huge pages in one heap that every thread shares: memory one thread faulted in and freed is
 # there for the blocks any other thread asks for next (``--prefault-gib``).
-ONE_HEAP = HUGE_PAGES + ":glibc.malloc.arena_max=1"
+ONE_HEAP = "huge pages, one heap"
 SETTINGS = {
     "huge pages": HUGE_PAGES,
-    "huge pages, one heap": ONE_HEAP,
+    ONE_HEAP: HUGE_PAGES + ":glibc.malloc.arena_max=1",
     "kept": KEPT,
     "heaps": HEAPS,
     "glibc's defaults": "",
 }
 SHORT = {
     "huge pages": "huge",
-    "huge pages, one heap": "one-heap",
+    ONE_HEAP: "one-heap",
     "kept": "kept",
     "heaps": "heaps",
     "glibc's defaults": "glibc's",
@@ -65,6 +65,7 @@ import compare_torch
 from timing import median_seconds
 
 rows, repeats, prefault = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+prefault_s = 0.0
 if prefault:  # faulted in by this thread alone, then freed to the heap the first call takes
     import ctypes, time
     libc = ctypes.CDLL(None)
@@ -106,7 +107,7 @@ with tempfile.TemporaryDirectory() as directory:
             kernel_s_per_step=(after.ru_stime - before.ru_stime) / repeats,
             **first,
         )
-print(json.dumps({"rows": results, "prefault_s": prefault_s if prefault else 0.0}))
+print(json.dumps({"rows": results, "prefault_s": prefault_s}))
 """
 
 
@@ -148,8 +149,8 @@ def table(runs: dict, machine: dict) -> str:
         "of fresh processes, the settings alternating; a cell lists each round's median step.",
         "",
     ]
-    if machine.get("prefault_gib") and "huge pages, one heap" in runs:
-        seconds = ", ".join(f"{r['prefault_s']:.2f}" for r in runs["huge pages, one heap"])
+    if machine.get("prefault_gib") and ONE_HEAP in runs:
+        seconds = ", ".join(f"{r['prefault_s']:.2f}" for r in runs[ONE_HEAP])
         lines += [
             f"One heap: {machine['prefault_gib']} GiB faulted in by one thread and freed before "
             f"the first row ({seconds} s).",
@@ -219,7 +220,7 @@ def main() -> None:
     runs = {setting: [] for setting in SETTINGS if SHORT[setting] in chosen}
     for round_ in range(args.rounds):
         for setting in runs:
-            extra = prefault if setting == "huge pages, one heap" else 0
+            extra = prefault if setting == ONE_HEAP else 0
             result = run(args.rows, args.repeats, SETTINGS[setting], extra)
             runs[setting].append(result)
             print(f"round {round_ + 1}, {setting}: {json.dumps(result['rows'])}", flush=True)
