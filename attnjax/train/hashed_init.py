@@ -10,11 +10,12 @@ all the waiting inputs as one concatenated call, and so on, as many rounds as th
 of keys. Threefry is elementwise, so each value gets the same bits as before; the outputs are
 bit-identical to ``fn``'s (tests/train/test_hashed_init.py).
 
-Hashes of more than ``LARGEST_BATCHED`` elements run alone: concatenated, their broadcast keys
-and counters would be written out in full (ViT-B/16's 86M draws ran 4x slower so). A program
-this cannot rewrite (a key array in any other operation, an effect, a loop over keys) runs as
-``fn``, and so does one the rewrite fails on (logged). For initialisations only: the rewrite
-drops custom derivative rules.
+Hashes of more than ``LARGEST_BATCHED`` elements are not concatenated: their broadcast keys and
+counters would be written out in full (ViT-B/16's 86M draws ran 4x slower so). On a CPU those of
+one shape (a ViT's blocks' matrices) are one loop over the draws around one hash instead
+(``_stacked``). A program this cannot rewrite (a key array in any other operation, an effect, a
+loop over keys) runs as ``fn``, and so does one the rewrite fails on (logged). For
+initialisations only: the rewrite drops custom derivative rules.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from absl import logging
 from attnjax import compat
 
 LARGEST_BATCHED = 1 << 18
+LARGEST_STACKED = 1 << 25  # elements one loop over large draws writes: 2 x 128 MiB of bits
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
 
 
@@ -56,7 +58,7 @@ def hashed_together(fn: Callable) -> Callable:
         leaves = jax.tree.leaves(args)
         try:
             inputs, equations = [_Slot() for _ in leaves], []
-            outputs = _inline(internals, closed, inputs, equations, {})
+            outputs = _inline(internals, closed, inputs, equations, {}, {})
             # A key argument enters as its data, as the key operations were expanded to take it.
             data = [
                 jax.random.key_data(x) if internals.is_key(jax.typeof(x)) else x for x in leaves
@@ -96,12 +98,14 @@ class _Slot:
     __slots__ = ()
 
 
-def _inline(internals, closed, inputs: list, equations: list, expanded: dict) -> list:
+def _inline(internals, closed, inputs: list, equations: list, expanded: dict, seen: dict) -> list:
     """``closed`` appended to ``equations`` as ``(primitive, params, inputs, outputs)`` over
     physical values: nested calls inlined, key arrays as their uint32 data, the key operations
     expanded into the hashes they make (``expanded``: those programs by signature, traced once
-    per rewrite, under the config it runs with: ``jax_threefry_partitionable`` changes them)
-    -> its outputs."""
+    per rewrite, under the config it runs with: ``jax_threefry_partitionable`` changes them),
+    an operation already appended on the same inputs not appended again (``seen``: so that the
+    counters of equal-shaped draws are one value, which ``_stacked`` need not copy) -> its
+    outputs."""
     jaxpr, env = closed.jaxpr, {}
 
     def read(var):
@@ -120,21 +124,46 @@ def _inline(internals, closed, inputs: list, equations: list, expanded: dict) ->
             inner = params.get("jaxpr", params.get("call_jaxpr"))
             if not hasattr(inner, "consts"):
                 raise _Unsupported(primitive.name)
-            outs = _inline(internals, inner, ins, equations, expanded)
+            outs = _inline(internals, inner, ins, equations, expanded, seen)
         elif primitive in (internals.wrap, internals.unwrap):
             outs = ins
         elif primitive in internals.expansions:
             avals = [v.aval for v in equation.invars]
             traced = _expanded(internals, primitive, avals, params, expanded)
-            outs = _inline(internals, traced, ins, equations, expanded)
+            outs = _inline(internals, traced, ins, equations, expanded, seen)
         else:
             values = [v.aval for v in (*equation.invars, *equation.outvars)]
             if equation.effects or any(internals.is_key(a) for a in values):
                 raise _Unsupported(primitive.name)
-            outs = [_Slot() for _ in equation.outvars]
-            equations.append((primitive, params, ins, outs))
+            signature = _signature(primitive, params, ins)
+            outs = seen.get(signature) if signature is not None else None
+            if outs is None:
+                outs = [_Slot() for _ in equation.outvars]
+                equations.append((primitive, params, ins, outs))
+                if signature is not None:
+                    seen[signature] = outs
         env.update(zip(equation.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _signature(primitive, params: dict, ins: list):
+    """What decides an operation's outputs, hashable, or None where a parameter is not or a
+    literal is more than a few numbers (not worth comparing)."""
+    parts = []
+    for x in ins:
+        if isinstance(x, _Slot):
+            parts.append(x)
+            continue
+        value = np.asarray(x[1])
+        if value.size > 16 or value.dtype == object:
+            return None
+        parts.append((value.dtype.str, value.shape, value.tobytes()))
+    signature = (primitive, tuple(sorted(params.items())), tuple(parts))
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
 
 
 def _expanded(internals, primitive, avals, params, expanded: dict):
@@ -191,15 +220,19 @@ def _evaluate(internals, equations: list, values: dict, outputs: list) -> list:
 
 
 def _hash(internals, hashes: list, get, values: dict) -> None:
-    """The ready hashes: those up to ``LARGEST_BATCHED`` elements as one call, the rest alone."""
-    together = []
-    for primitive, params, ins, outs in hashes:
+    """The ready hashes: those up to ``LARGEST_BATCHED`` elements as one call, larger ones
+    stacked with the others of their shapes (``_stacked``)."""
+    together, large = [], {}
+    for _, _, ins, outs in hashes:
         operands = [get(x) for x in ins]
         shape = np.broadcast_shapes(*(np.shape(x) for x in operands))
         if math.prod(shape) > LARGEST_BATCHED:
-            values.update(zip(outs, primitive.bind(*operands, **params)))
+            shapes = (shape, *(np.shape(x) for x in operands))
+            large.setdefault(shapes, []).append((ins, operands, outs))
         else:
             together.append((operands, shape, outs))
+    for (shape, *_), group in large.items():
+        _stacked(internals, shape, group, values)
     if not together:
         return
     columns = [
@@ -213,6 +246,42 @@ def _hash(internals, hashes: list, get, values: dict) -> None:
         values[outs[0]] = first[offset : offset + size].reshape(shape)
         values[outs[1]] = second[offset : offset + size].reshape(shape)
         offset += size
+
+
+def _stacked(internals, shape: tuple, group: list, values: dict) -> None:
+    """Large hashes of one shape, ``(ins, operands, outs)`` each, as few calls as
+    ``LARGEST_STACKED`` allows: a loop over the draws, whose operands that differ between them
+    (the keys) are stacked and those they share (the counters, one value through ``_inline``'s
+    ``seen``) are not copied. The loop hashes one draw at a time, which the caches hold: one
+    call over the stacked draws ran ViT-B/16's initialisation 0.3 s slower on a CPU. There,
+    where each call is a loop compiled apart, ViT-B/16's 73 large draws are 3 loops, its
+    initialisation's compile 1.9 s shorter (benchmarks/results/hashed_init_stacked.md).
+    Elsewhere a call is one kernel: each runs alone, and the peak memory stays one draw's."""
+    per_call = max(1, LARGEST_STACKED // math.prod(shape))
+    if jax.default_backend() != "cpu":
+        per_call = 1
+    for start in range(0, len(group), per_call):
+        chunk = group[start : start + per_call]
+        if len(chunk) == 1:
+            ((_, operands, outs),) = chunk
+            values.update(zip(outs, internals.threefry.bind(*operands)))
+            continue
+        shared, stacked = {}, []
+        for i in range(4):
+            first_in = chunk[0][0][i]
+            if isinstance(first_in, _Slot) and all(ins[i] is first_in for ins, _, _ in chunk):
+                shared[i] = chunk[0][1][i]
+            else:
+                stacked.append(jnp.stack([ops[i] for _, ops, _ in chunk]))
+
+        def one(draw, shared=shared):
+            draw = iter(draw)
+            operands = [shared[i] if i in shared else next(draw) for i in range(4)]
+            return tuple(internals.threefry.bind(*operands))
+
+        first, second = jax.lax.map(one, stacked)
+        for index, (_, _, outs) in enumerate(chunk):
+            values[outs[0]], values[outs[1]] = first[index], second[index]
 
 
 @functools.cache

@@ -66,19 +66,43 @@ def test_the_vit_and_gpt_inits_are_bitwise_the_plain_ones_under_either_threefry(
             )
 
 
-def test_large_draws_run_alone_and_a_program_it_cannot_rewrite_runs_as_it_is():
+def compiled_loops(fn, *args) -> int:
+    """The while loops XLA compiled ``fn`` into (the lowered program calls one function per
+    distinct hash shape, which XLA then inlines at every call)."""
+    return jax.jit(fn).lower(*args).compile().as_text().count(" while(")
+
+
+def test_large_draws_of_one_shape_share_a_loop_and_a_program_it_cannot_rewrite_runs_as_it_is():
     size = hashed_init.LARGEST_BATCHED + 1
 
-    def draws(key):
-        first, second = jax.random.split(key)
-        return {
-            "large": jax.random.normal(first, (size,)),
-            "small": jax.random.uniform(jax.random.fold_in(second, 3), (5, 7)),
-            "chained": jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, 1), 2), (9,)),
-        }
+    def drawing(blocks: int):
+        def draws(key):
+            first, second = jax.random.split(key)
+            return {
+                "large": jax.random.normal(first, (size,)),
+                "small": jax.random.uniform(jax.random.fold_in(second, 3), (5, 7)),
+                "chained": jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, 1), 2), (9,)),
+                # ViT blocks' matrices: one shape, a key each.
+                "blocks": [
+                    jax.random.normal(jax.random.fold_in(key, i), (2, size)) for i in range(blocks)
+                ],
+            }
 
-    plain, batched = assert_bitwise_equal(draws, jax.random.PRNGKey(0))
-    assert batched < plain
+        return draws
+
+    for partitionable in (True, False):
+        with jax.threefry_partitionable(partitionable):
+            assert_bitwise_equal(drawing(5), jax.random.PRNGKey(0))
+            # As written, a loop per large draw; batched, the blocks' draws are one loop over
+            # them around one hash loop, however many blocks.
+            plain, batched = (
+                [compiled_loops(wrap(drawing(n)), jax.random.PRNGKey(0)) for n in (2, 5)]
+                for wrap in (lambda fn: fn, hashed_init.hashed_together)
+            )
+            assert plain[1] >= plain[0] + 3 and batched[1] == batched[0] < plain[0], (
+                plain,
+                batched,
+            )
 
     def folded(key):  # a typed key comes in as its data
         return [jax.random.normal(jax.random.fold_in(key, i), (3, i + 1)) for i in range(4)]
