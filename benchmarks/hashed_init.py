@@ -1,13 +1,16 @@
 """A model's initialisation as written against ``hashed_init.hashed_together`` (its Threefry
 hashes batched): tracing and lowering, compiling and the one run, under XLA's defaults and under
 ``xla_cpu.run_once_options`` (what a run compiles its initialisation with up to
-``RUN_ONCE_MAX_ELEMENTS``), and whether the two give the same bits.
+``RUN_ONCE_MAX_ELEMENTS``), and whether they give the same bits. Three sides: plain (as
+written), alone (batched, each draw over ``LARGEST_BATCHED`` elements hashed alone) and batched
+(those stacked by shape, ``LARGEST_STACKED``: the library's setting).
 
     python benchmarks/hashed_init.py [--rounds 2] [--models prior_digits,vit_digits,...]
+        [--name hashed_init]
 
-Each (model, options, side) compiles in a fresh process without any cache, the sides
-alternating, ``--rounds`` times; the table shows the medians. The models are run_once.py's.
-Writes benchmarks/results/hashed_init.{json,md}.
+Each (model, options, side) compiles in a fresh process without any cache, the sides in turn,
+reversed every other round, ``--rounds`` times; the table shows the medians. The models are
+run_once.py's. Writes benchmarks/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import pathlib
 import numpy as np
 from run_once import MODELS, _init, fresh_process
 
-from attnjax.ops.platform import processor_details
+from attnjax.ops.platform import processor, processor_details
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parents[1]
 OPTIONS = ["default", "run_once"]
-SIDES = ["plain", "batched"]
+SIDES = ["plain", "alone", "batched"]
 
 
 def worker(name: str, options: str, side: str) -> dict:
@@ -39,7 +42,9 @@ def worker(name: str, options: str, side: str) -> dict:
 
     init, x = _init(name)
     fn = lambda key, x: init(key, x)["params"]  # noqa: E731
-    fn = hashed_init.hashed_together(fn) if side == "batched" else fn
+    if side == "alone":
+        hashed_init.LARGEST_STACKED = 0
+    fn = hashed_init.hashed_together(fn) if side != "plain" else fn
     start = time.perf_counter()
     lowered = jax.jit(fn).lower(jax.random.key(0), x)
     lower_seconds = time.perf_counter() - start
@@ -54,7 +59,7 @@ def worker(name: str, options: str, side: str) -> dict:
     for leaf in jax.tree.leaves(out):
         digest.update(np.asarray(leaf).tobytes())
     return dict(
-        loops=lowered.as_text().count("stablehlo.while"),
+        loops=compiled.as_text().count(" while("),
         lower=lower_seconds,
         compile=compile_seconds,
         run=run_seconds,
@@ -68,6 +73,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--name", default="hashed_init")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -83,45 +89,52 @@ def main() -> None:
                     print(name, options, side, result, flush=True)
     rows = []
     for (name, options), by_side in runs.items():
-        row = dict(model=name, options=options)
         for side, results in by_side.items():
-            row[f"{side}_loops"] = results[0]["loops"]
+            row = dict(model=name, options=options, side=side, loops=results[0]["loops"])
             for part in ("lower", "compile", "run"):
-                row[f"{side}_{part}"] = float(np.median([r[part] for r in results]))
-            row[f"{side}_bits"] = sorted({r["bits"] for r in results})
-        row["same_bits"] = row["plain_bits"] == row["batched_bits"] and len(row["plain_bits"]) == 1
-        total = {s: sum(row[f"{s}_{p}"] for p in ("lower", "compile", "run")) for s in SIDES}
-        row["saved"] = total["plain"] - total["batched"]
-        rows.append(row)
+                row[part] = float(np.median([r[part] for r in results]))
+            row["total"] = row["lower"] + row["compile"] + row["run"]
+            row["bits"] = sorted({r["bits"] for r in results})
+            rows.append(row)
+        plain = rows[-len(by_side)]
+        for row in rows[-len(by_side) :]:
+            row["same_bits"] = row["bits"] == plain["bits"] and len(row["bits"]) == 1
+            row["saved"] = plain["total"] - row["total"]
     import jax
 
-    machine = dict(processor=processor_details(), jax=jax.__version__, rounds=args.rounds)
-    (RESULTS / "hashed_init.json").write_text(
+    machine = dict(
+        processor=processor_details(),
+        name=processor(),
+        jax=jax.__version__,
+        rounds=args.rounds,
+    )
+    (RESULTS / f"{args.name}.json").write_text(
         json.dumps(dict(machine=machine, rows=rows), indent=2)
     )
     lines = [
         "# A model's initialisation with its hashes batched (`train.hashed_init`)",
         "",
-        "`python benchmarks/hashed_init.py` ([hashed_init.json](hashed_init.json)): a model's "
+        f"`python benchmarks/hashed_init.py` ([{args.name}.json]({args.name}.json)): a model's "
         "initialisation traced and lowered, compiled and run once in a fresh process, as "
-        "written (plain) and through `hashed_init.hashed_together` (batched), under XLA's "
-        "default options and under `xla_cpu.run_once_options`; loops: the lowered program's "
-        f"while loops (one per hash call on a CPU); medians of {args.rounds} rounds, the sides "
-        f"alternating. AMD EPYC, 2 cores ({machine['processor']}), jax {machine['jax']}, no "
-        "compilation cache. Saved: plain minus batched, lowering + compile + run.",
+        "written (plain), through `hashed_init.hashed_together` with each draw of more than "
+        "`LARGEST_BATCHED` elements hashed alone (alone), and with those stacked by shape "
+        "(batched, the library's setting), under XLA's default options and under "
+        "`xla_cpu.run_once_options`; loops: the compiled program's while loops (on a CPU, one "
+        "per hash call, two for a stacked one); medians of "
+        f"{args.rounds} rounds, the sides' order reversed every other round. {machine['name']}, "
+        f"2 cores ({machine['processor']}), jax {machine['jax']}, no compilation cache. Saved: "
+        "plain minus the side, lowering + compile + run.",
         "",
-        "| model | options | loops | lower s | compile s | run s | batched: loops | lower s "
-        "| compile s | run s | same bits | saved s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | options | side | loops | lower s | compile s | run s | same bits | saved s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['options']} | {r['plain_loops']} | {r['plain_lower']:.2f} | "
-            f"{r['plain_compile']:.2f} | {r['plain_run']:.2f} | {r['batched_loops']} | "
-            f"{r['batched_lower']:.2f} | {r['batched_compile']:.2f} | {r['batched_run']:.2f} | "
-            f"{'yes' if r['same_bits'] else 'NO'} | {r['saved']:+.2f} |"
+            f"| {r['model']} | {r['options']} | {r['side']} | {r['loops']} | {r['lower']:.2f} | "
+            f"{r['compile']:.2f} | {r['run']:.2f} | {'yes' if r['same_bits'] else 'NO'} | "
+            f"{r['saved']:+.2f} |"
         )
-    (RESULTS / "hashed_init.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
