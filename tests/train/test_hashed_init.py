@@ -90,19 +90,16 @@ def test_large_draws_of_one_shape_share_a_loop_and_a_program_it_cannot_rewrite_r
 
         return draws
 
-    for partitionable in (True, False):
+    for partitionable in (False, True):  # the bits under either; the loops under the default
         with jax.threefry_partitionable(partitionable):
             assert_bitwise_equal(drawing(5), jax.random.PRNGKey(0))
-            # As written, a loop per large draw; batched, the blocks' draws are one loop over
-            # them around one hash loop, however many blocks.
-            plain, batched = (
-                [compiled_loops(wrap(drawing(n)), jax.random.PRNGKey(0)) for n in (2, 5)]
-                for wrap in (lambda fn: fn, hashed_init.hashed_together)
-            )
-            assert plain[1] >= plain[0] + 3 and batched[1] == batched[0] < plain[0], (
-                plain,
-                batched,
-            )
+    # As written, a loop per large draw; batched, the blocks' draws are one loop over them
+    # around one hash loop, however many blocks.
+    plain, batched = (
+        [compiled_loops(wrap(drawing(n)), jax.random.PRNGKey(0)) for n in (2, 5)]
+        for wrap in (lambda fn: fn, hashed_init.hashed_together)
+    )
+    assert plain[1] >= plain[0] + 3 and batched[1] == batched[0] < plain[0], (plain, batched)
 
     def folded(key):  # a typed key comes in as its data
         return [jax.random.normal(jax.random.fold_in(key, i), (3, i + 1)) for i in range(4)]
