@@ -8,11 +8,12 @@ XLA:CPU allocates each call's temporary buffers in one ``malloc`` and frees them
 glibc by default maps such a block afresh and unmaps it at ``free``, so each step faults its
 working memory in again, 4 KiB at a time. Huge pages keep blocks in each thread's heaps (those
 beyond 64 MiB mapped, on 2 MiB pages); the kept setting keeps everything in one heap. Both are
-glibc's own tunables (``GLIBC_TUNABLES``, read when a process starts). Each setting runs in
-fresh processes, alternating (huge pages, kept, glibc's defaults, for ``--rounds`` rounds),
-every row in each: the median step of attnjax and of torch (in the same process, so under the
-same malloc), and per attnjax step the page faults and the kernel time (``getrusage``). Writes
-benchmarks/results/malloc_cpu.{json,md} with the machine.
+glibc's own tunables (``GLIBC_TUNABLES``, read when a process starts); huge-later is huge pages
+held back until the first row's first call has run (``prctl(PR_SET_THP_DISABLE)``). Each
+setting runs in fresh processes, alternating (huge pages, kept, glibc's defaults, for
+``--rounds`` rounds), every row in each: the median step of attnjax and of torch (in the same
+process, so under the same malloc), and per attnjax step the page faults and the kernel time
+(``getrusage``). Writes benchmarks/results/malloc_cpu.{json,md} with the machine.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ HEAPS = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"
 # Huge pages in one heap that every thread shares: memory one thread faulted in and freed is
 # there for the blocks any other thread asks for next (``--prefault-gib``).
 ONE_HEAP = "huge pages, one heap"
+# Huge pages held back until the first call has run (the kernel's per-process switch,
+# prctl(PR_SET_THP_DISABLE)): the first call on 4 KiB pages, the later ones on huge pages.
+LATER = "huge pages after the first call"
 SETTINGS = {
     "huge pages": HUGE_PAGES,
     ONE_HEAP: HUGE_PAGES + ":glibc.malloc.arena_max=1",
+    LATER: HUGE_PAGES,
     "kept": KEPT,
     "heaps": HEAPS,
     "glibc's defaults": "",
@@ -50,6 +55,7 @@ SETTINGS = {
 SHORT = {
     "huge pages": "huge",
     ONE_HEAP: "one-heap",
+    LATER: "huge-later",
     "kept": "kept",
     "heaps": "heaps",
     "glibc's defaults": "glibc's",
@@ -65,6 +71,10 @@ import compare_torch
 from timing import median_seconds
 
 rows, repeats, prefault = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+import ctypes
+PR_SET_THP_DISABLE = 41  # <linux/prctl.h>: the process's memory on small pages while set
+libc = ctypes.CDLL(None, use_errno=True)
+held = sys.argv[4] == "1" and libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
 prefault_s = 0.0
 if prefault:  # faulted in by this thread alone, then freed to the heap the first call takes
     import ctypes, time
@@ -89,6 +99,8 @@ with tempfile.TemporaryDirectory() as directory:
         before = resource.getrusage(resource.RUSAGE_SELF)
         first_s = median_seconds(jax_step, 1)
         after = resource.getrusage(resource.RUSAGE_SELF)
+        if held:
+            held = libc.prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0) != 0
         first = dict(
             first_ms=1e3 * first_s,
             first_faults=after.ru_minflt - before.ru_minflt,
@@ -111,10 +123,10 @@ print(json.dumps({"rows": results, "prefault_s": prefault_s}))
 """
 
 
-def run(rows: str, repeats: int, tunables: str, prefault: int = 0) -> dict:
+def run(rows: str, repeats: int, tunables: str, prefault: int = 0, hold: bool = False) -> dict:
     env = {**os.environ, "GLIBC_TUNABLES": tunables, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", PROCESS, rows, str(repeats), str(prefault)],
+        [sys.executable, "-c", PROCESS, rows, str(repeats), str(prefault), str(int(hold))],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -221,7 +233,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for setting in runs:
             extra = prefault if setting == ONE_HEAP else 0
-            result = run(args.rows, args.repeats, SETTINGS[setting], extra)
+            result = run(args.rows, args.repeats, SETTINGS[setting], extra, setting == LATER)
             runs[setting].append(result)
             print(f"round {round_ + 1}, {setting}: {json.dumps(result['rows'])}", flush=True)
     machine = dict(
