@@ -89,17 +89,19 @@ def main() -> None:
                     print(name, options, side, result, flush=True)
     rows = []
     for (name, options), by_side in runs.items():
-        for side, results in by_side.items():
+        group = {}
+        for side in SIDES:
+            results = by_side[side]
             row = dict(model=name, options=options, side=side, loops=results[0]["loops"])
             for part in ("lower", "compile", "run"):
                 row[part] = float(np.median([r[part] for r in results]))
             row["total"] = row["lower"] + row["compile"] + row["run"]
             row["bits"] = sorted({r["bits"] for r in results})
-            rows.append(row)
-        plain = rows[-len(by_side)]
-        for row in rows[-len(by_side) :]:
-            row["same_bits"] = row["bits"] == plain["bits"] and len(row["bits"]) == 1
-            row["saved"] = plain["total"] - row["total"]
+            group[side] = row
+        for row in group.values():
+            row["same_bits"] = row["bits"] == group["plain"]["bits"] and len(row["bits"]) == 1
+            row["saved"] = group["plain"]["total"] - row["total"]
+        rows.extend(group.values())
     import jax
 
     machine = dict(

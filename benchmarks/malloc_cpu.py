@@ -71,14 +71,12 @@ import compare_torch
 from timing import median_seconds
 
 rows, repeats, prefault = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
-import ctypes
+import ctypes, time
 PR_SET_THP_DISABLE = 41  # <linux/prctl.h>: the process's memory on small pages while set
-libc = ctypes.CDLL(None, use_errno=True)
+libc = ctypes.CDLL(None)
 held = sys.argv[4] == "1" and libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
 prefault_s = 0.0
 if prefault:  # faulted in by this thread alone, then freed to the heap the first call takes
-    import ctypes, time
-    libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
@@ -99,8 +97,9 @@ with tempfile.TemporaryDirectory() as directory:
         before = resource.getrusage(resource.RUSAGE_SELF)
         first_s = median_seconds(jax_step, 1)
         after = resource.getrusage(resource.RUSAGE_SELF)
-        if held:
-            held = libc.prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0) != 0
+        if held:  # huge pages from here on
+            libc.prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0)
+            held = False
         first = dict(
             first_ms=1e3 * first_s,
             first_faults=after.ru_minflt - before.ru_minflt,
