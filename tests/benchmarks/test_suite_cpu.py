@@ -47,8 +47,11 @@ def test_a_started_process_reports_its_stages_under_its_test(tmp_path):
     assert file_row["programs"] == 2 * stages["programs"]  # the own process's and the started one's
 
 
-def test_a_stage_nested_in_another_counts_once():
+def test_a_stage_nested_in_another_counts_once(monkeypatch):
     stages = suite_cpu.stages
+    # Real traces this worker ran earlier on this thread must not fall inside the made-up ones.
+    monkeypatch.setattr(stages, "_outermost", {})
+    monkeypatch.setattr(stages, "_totals", dict.fromkeys(stages.FIELDS, 0.0))
     trace = next(e for e, stage in stages.STAGES.items() if stage == "tracing")
     before = stages.snapshot()
     stages._on_duration(trace, 0.5)  # an inner trace, ending now
