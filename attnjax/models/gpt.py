@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention, feed_forward_axes
+from attnjax.ops.activations import gelu
 from attnjax.ops.dense import rows_dot_general
 
 Array = jax.Array
@@ -74,7 +75,7 @@ class GPTMlp(nn.Module):
             nn.Dense, kernel_init=_INIT, dtype=self.dtype, dot_general=rows_dot_general
         )
         x = dense(4 * width, name="fc1")(x)
-        x = nn.gelu(x, approximate=False)
+        x = gelu(x)
         x = dense(width, name="fc2")(x)
         return nn.Dropout(self.resid_pdrop)(x, deterministic=deterministic)
 

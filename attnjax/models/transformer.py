@@ -29,13 +29,14 @@ import jax.numpy as jnp
 
 from attnjax.models.multihead import PARAM_AXES as ATTENTION_AXES
 from attnjax.models.multihead import MultiHeadAttention, feed_forward_axes
+from attnjax.ops.activations import gelu
 from attnjax.ops.dense import rows_dot_general
 
 # Logical axis names of the parameters, by path (``attnjax.parallel.sharding`` lays them out on a
 # mesh): the attentions', and the feed-forward's hidden units.
 PARAM_AXES = ATTENTION_AXES + feed_forward_axes("linear1", "linear2")
 
-_ACTIVATIONS = {"relu": nn.relu, "gelu": lambda x: nn.gelu(x, approximate=False)}
+_ACTIVATIONS = {"relu": nn.relu, "gelu": gelu}
 _LAYER_FIELDS = (
     "d_model",
     "nhead",

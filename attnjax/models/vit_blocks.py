@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from attnjax.models.multihead import MultiHeadAttention
+from attnjax.ops.activations import gelu
 from attnjax.ops.dense import rows_dot_general
 
 
@@ -61,7 +62,7 @@ class ViTMlp(nn.Module):
         )
         width = x.shape[-1]
         x = dense(self.mlp_dim, name="fc1")(x)
-        x = nn.gelu(x, approximate=False)  # torch nn.GELU's default; tanh differs by ~1e-3
+        x = gelu(x)  # torch nn.GELU's default, exact; tanh differs by ~1e-3
         x = nn.Dropout(self.dropout_rate)(x, deterministic=self.deterministic)
         x = dense(width, name="fc2")(x)
         return nn.Dropout(self.dropout_rate)(x, deterministic=self.deterministic)
