@@ -26,13 +26,6 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-6, what="value"):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
 
 
-def gelu_inputs():
-    """The whole range: where Phi underflows in float32, both tails, zero and the unit scale."""
-    rng = np.random.default_rng(0)
-    sweep = np.linspace(-12.0, 12.0, 4001)
-    return np.concatenate([sweep, 2.0 * rng.standard_normal(20000), [0.0, -0.0]]).astype(np.float32)
-
-
 def lpips_distance(reference, a, b):
     """``reference`` on NHWC numpy images -> ``[batch]`` distances."""
     import torch
