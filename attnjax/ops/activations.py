@@ -3,11 +3,11 @@
 ``jax.nn.gelu(x, approximate=False)`` writes ``Phi`` with ``erfc``. XLA expands ``erfc`` into
 both pieces of its piecewise approximation, selected per element, with two divisions and an
 exponential, in the forward pass and again in the gradient; ``erf`` is one clamped rational
-polynomial. On XLA:CPU the GELU's forward takes half the time this way, and the train steps with
-one in every block 1-4% less, with 24-52 MiB fewer temporary bytes
-(benchmarks/results/gelu_cpu.md). Both forms lie within 1.1e-6 of PyTorch's float32 GELU from
--12 to 12. Below about -5.5 this form gives 0 in float32 (PyTorch's from about -5.7), where the
-``erfc`` form keeps values under 2e-7 in size.
+polynomial. On XLA:CPU the GELU's forward takes half the time this way; the train steps of ViT
+cifar, Ti/16 and the GPT 1-4% less, ViT-B/16's the same within the noise, each with 24-76 MiB
+fewer temporary bytes (benchmarks/results/gelu_cpu.md, gelu_cpu_b16.md). Both forms lie within
+1.1e-6 of PyTorch's float32 GELU from -12 to 12. Below about -5.5 this form gives 0 in float32
+(PyTorch's from about -5.7), where the ``erfc`` form keeps values under 2e-7 in size.
 """
 
 from __future__ import annotations
