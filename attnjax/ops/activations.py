@@ -18,7 +18,10 @@ import numpy as np
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """Exact GELU of ``x`` (any shape, floating), computed in ``x``'s dtype."""
+    """Exact GELU of ``x`` (any shape), computed in ``x``'s floating dtype; integers and bools
+    become JAX's default float first, as in ``jax.nn.gelu``."""
     x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.result_type(float))
     half_sqrt2 = np.sqrt(0.5).astype(x.dtype)
     return 0.5 * x * (1 + jax.lax.erf(x * half_sqrt2))

@@ -42,6 +42,12 @@ def test_keeps_the_input_dtype():
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-2, atol=2e-2)
 
 
+def test_integers_become_the_default_float():
+    out = gelu(jnp.arange(-3, 4))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, gelu(jnp.arange(-3.0, 4.0)))
+
+
 def _operations(f):
     program = (
         jax.jit(jax.value_and_grad(lambda x: jnp.sum(f(x))))
