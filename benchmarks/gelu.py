@@ -57,11 +57,10 @@ def alone(rounds, repeats):
     rows = []
     for name, shape in SHAPES.items():
         x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-        calls = {}
+        xj, calls = jnp.asarray(x), {}
         for form, f in FORMS.items():
             forward = jax.jit(f)
             grad = jax.jit(jax.grad(lambda x, f=f: jnp.sum(f(x))))
-            xj = jnp.asarray(x)
             calls[f"{form} forward"] = lambda f=forward, xj=xj: f(xj).block_until_ready()
             calls[f"{form} forward+grad"] = lambda g=grad, xj=xj: g(xj).block_until_ready()
         xt = torch.tensor(x, requires_grad=True)
